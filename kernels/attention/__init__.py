@@ -1,0 +1,40 @@
+"""Attention backends; `create_attention_backend` picks one by name (flashinfer is lazy)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+ATTENTION_BACKENDS = ("auto", "torch_native", "flashinfer")
+
+
+def flashinfer_available() -> bool:
+    return importlib.util.find_spec("flashinfer") is not None
+
+
+def resolve_attention_backend(name: str, device: str) -> str:
+    """Map `auto` to a concrete backend: flashinfer on CUDA when installed, else torch_native."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(
+            f"Invalid --attention-backend {name!r}. Choose one of: {', '.join(ATTENTION_BACKENDS)}."
+        )
+    if name == "auto":
+        return "flashinfer" if device.startswith("cuda") and flashinfer_available() else "torch_native"
+    if name == "flashinfer":
+        if not device.startswith("cuda"):
+            raise ValueError("--attention-backend flashinfer needs --device cuda.")
+        if not flashinfer_available():
+            raise ValueError(
+                "--attention-backend flashinfer needs the flashinfer-python package "
+                "(pip install '.[gpu]'), or use --attention-backend torch_native."
+            )
+    return name
+
+
+def create_attention_backend(name: str, model_runner) -> "AttentionBackend":  # noqa: F821
+    if name == "flashinfer":
+        from kernels.attention.flashinfer_backend import FlashInferAttnBackend
+
+        return FlashInferAttnBackend(model_runner)
+    from kernels.attention.torch_native_backend import TorchNativeAttnBackend
+
+    return TorchNativeAttnBackend()

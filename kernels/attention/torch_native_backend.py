@@ -1,0 +1,87 @@
+"""Pure-torch paged attention: the CPU path and the oracle for FlashInfer."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+import torch
+import torch.nn.functional as F
+
+from kernels.attention.base_attn_backend import AttentionBackend
+
+if TYPE_CHECKING:
+    from srt.layers.radix_attention import RadixAttention
+    from srt.model_executor.forward_batch_info import ForwardBatch
+
+
+class TorchNativeAttnBackend(AttentionBackend):
+    """Gathers each request's K/V through `req_to_token` and runs SDPA.
+
+    Extend runs per request (a causal mask aligned to the cached prefix); decode runs as one
+    padded batch whose gather indices and key mask are built once per step.
+    """
+
+    def __init__(self):
+        self.decode_indices: Optional[torch.Tensor] = None
+        self.decode_mask: Optional[torch.Tensor] = None
+        self.extend_rows: list = []
+
+    def init_forward_metadata(self, fb: "ForwardBatch") -> None:
+        req_to_token = fb.req_to_token_pool.req_to_token
+        seq_lens = fb.seq_lens_cpu
+        if fb.forward_mode.is_decode():
+            max_len = int(max(seq_lens))
+            idx = req_to_token[fb.req_pool_indices, :max_len].to(torch.int64)
+            if min(seq_lens) == max_len:
+                self.decode_mask = None
+            else:
+                valid = torch.arange(max_len, device=idx.device)[None, :] < fb.seq_lens[:, None]
+                idx = torch.where(valid, idx, 0)  # stale columns may point at unwritten slots
+                self.decode_mask = valid[:, None, None, :]
+            self.decode_indices = idx
+            return
+        rows = []
+        rows_idx = fb.req_pool_indices.tolist()
+        for row, prefix, ext in zip(rows_idx, fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu):
+            seq = prefix + ext
+            slots = req_to_token[row, :seq].to(torch.int64)
+            mask = None
+            if prefix > 0:
+                key_pos = torch.arange(seq, device=slots.device)
+                q_pos = torch.arange(prefix, seq, device=slots.device)
+                mask = key_pos[None, :] <= q_pos[:, None]
+            rows.append((slots, mask, ext))
+        self.extend_rows = rows
+
+    def forward_extend(self, q: torch.Tensor, layer: "RadixAttention", fb: "ForwardBatch") -> torch.Tensor:
+        pool = fb.token_to_kv_pool
+        k_buf = pool.get_key_buffer(layer.layer_id)
+        v_buf = pool.get_value_buffer(layer.layer_id)
+        H, D = layer.tp_q_head_num, layer.head_dim
+        q = q.reshape(-1, H, D)
+        out = torch.empty_like(q)
+        start = 0
+        for slots, mask, ext in self.extend_rows:
+            qi = q[start : start + ext].transpose(0, 1)
+            ki = k_buf[slots].to(q.dtype).transpose(0, 1)
+            vi = v_buf[slots].to(q.dtype).transpose(0, 1)
+            oi = F.scaled_dot_product_attention(
+                qi, ki, vi, attn_mask=mask, is_causal=mask is None,
+                scale=layer.scaling, enable_gqa=H != ki.shape[0],
+            )
+            out[start : start + ext] = oi.transpose(0, 1)
+            start += ext
+        return out.view(-1, H * D)
+
+    def forward_decode(self, q: torch.Tensor, layer: "RadixAttention", fb: "ForwardBatch") -> torch.Tensor:
+        pool = fb.token_to_kv_pool
+        idx = self.decode_indices
+        H, D = layer.tp_q_head_num, layer.head_dim
+        bs = idx.shape[0]
+        k = pool.get_key_buffer(layer.layer_id)[idx].to(q.dtype).transpose(1, 2)
+        v = pool.get_value_buffer(layer.layer_id)[idx].to(q.dtype).transpose(1, 2)
+        qd = q.reshape(bs, H, 1, D)
+        o = F.scaled_dot_product_attention(
+            qd, k, v, attn_mask=self.decode_mask, scale=layer.scaling, enable_gqa=H != k.shape[1]
+        )
+        return o.reshape(bs, H * D)

@@ -1,0 +1,1 @@
+"""The three process roles: tokenizer manager, scheduler, detokenizer."""

@@ -1,0 +1,1 @@
+"""Where KV lives and who may reuse it: pools, slot allocator, prefix caches."""

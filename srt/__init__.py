@@ -1,0 +1,1 @@
+"""Model execution, server arguments and entrypoints."""

@@ -1,0 +1,1 @@
+"""Model building blocks: norms, rotary embedding, linear layers, attention, logits."""

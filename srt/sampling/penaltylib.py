@@ -1,0 +1,160 @@
+"""Frequency, presence and repetition penalties over each request's generated tokens.
+
+Scope (as in SGLang): only *output* tokens count, never the prompt. A token id's count is how many
+times the request has generated it so far; the counts live in one dense [bs, vocab] tensor that is
+built once and then updated with one `scatter_add_` per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Union
+
+import torch
+
+from srt.sampling.sampling_params import SamplingParams
+
+Indices = Union[torch.Tensor, Sequence[int]]
+
+
+def count_output_tokens(
+    output_ids: Optional[Sequence[Sequence[int]]], batch_size: int, vocab_size: int, device
+) -> torch.Tensor:
+    """Dense [bs, vocab] float32 counts of each request's generated token ids.
+
+    The ragged lists become one padded tensor; padding scatters a weight of 0, so no per-token
+    Python loop is needed.
+    """
+    counts = torch.zeros(batch_size, vocab_size, dtype=torch.float32, device=device)
+    if not output_ids:
+        return counts
+    assert len(output_ids) == batch_size, f"output_ids has {len(output_ids)} rows for {batch_size} requests"
+    max_len = max((len(ids) for ids in output_ids), default=0)
+    if max_len == 0:
+        return counts
+    padded = torch.zeros(batch_size, max_len, dtype=torch.int64)
+    weight = torch.zeros(batch_size, max_len, dtype=torch.float32)
+    for row, ids in enumerate(output_ids):
+        if ids:
+            padded[row, : len(ids)] = torch.as_tensor(list(ids), dtype=torch.int64)
+            weight[row, : len(ids)] = 1.0
+    counts.scatter_add_(1, padded.to(device), weight.to(device))
+    return counts
+
+
+@dataclass
+class PenaltyState:
+    """Per-request penalty coefficients ([bs, 1]) and output-token counts ([bs, vocab]).
+
+    `apply` rewrites logits of seen tokens, in this order:
+      1. repetition: a seen token's logit is divided by `r` when positive, multiplied when not;
+      2. additive: `logit -= frequency * count + presence * (count > 0)`.
+    """
+
+    frequency_penalties: torch.Tensor
+    presence_penalties: torch.Tensor
+    repetition_penalties: torch.Tensor
+    output_counts: torch.Tensor
+    need_additive: bool
+    need_repetition: bool
+
+    @staticmethod
+    def is_needed(params: Sequence[SamplingParams]) -> bool:
+        return any(
+            p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 or p.repetition_penalty != 1.0
+            for p in params
+        )
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        output_ids: Optional[Sequence[Sequence[int]]],
+        vocab_size: int,
+        device,
+    ) -> Optional["PenaltyState"]:
+        """The batch's penalty state, or None when no request uses a penalty (the common case)."""
+        if not cls.is_needed(params):
+            return None
+        bs = len(params)
+
+        def column(values: List[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device).view(bs, 1)
+
+        state = cls(
+            frequency_penalties=column([p.frequency_penalty for p in params]),
+            presence_penalties=column([p.presence_penalty for p in params]),
+            repetition_penalties=column([p.repetition_penalty for p in params]),
+            output_counts=count_output_tokens(output_ids, bs, vocab_size, device),
+            need_additive=False,
+            need_repetition=False,
+        )
+        state._refresh_flags()
+        return state
+
+    @classmethod
+    def neutral(cls, batch_size: int, vocab_size: int, device) -> "PenaltyState":
+        """Rows that penalise nothing; used to pad a merge with a penalty-free batch."""
+        zeros = torch.zeros(batch_size, 1, dtype=torch.float32, device=device)
+        return cls(
+            frequency_penalties=zeros,
+            presence_penalties=zeros.clone(),
+            repetition_penalties=torch.ones_like(zeros),
+            output_counts=torch.zeros(batch_size, vocab_size, dtype=torch.float32, device=device),
+            need_additive=False,
+            need_repetition=False,
+        )
+
+    def _refresh_flags(self) -> None:
+        self.need_additive = bool(
+            (self.frequency_penalties != 0).any() or (self.presence_penalties != 0).any()
+        )
+        self.need_repetition = bool((self.repetition_penalties != 1).any())
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Penalise `logits` [bs, vocab] in place."""
+        seen = self.output_counts > 0
+        if self.need_repetition:
+            r = self.repetition_penalties
+            penalised = torch.where(logits > 0, logits / r, logits * r)
+            logits.copy_(torch.where(seen, penalised, logits))
+        if self.need_additive:
+            logits -= self.frequency_penalties * self.output_counts
+            logits -= self.presence_penalties * seen.to(logits.dtype)
+
+    def cumulate(self, next_token_ids: torch.Tensor) -> None:
+        """Count one newly generated token per request ([bs] int64)."""
+        ids = next_token_ids.view(-1, 1).to(torch.int64)
+        self.output_counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=self.output_counts.dtype))
+
+    def filter(self, keep: torch.Tensor) -> None:
+        """Keep rows `keep` ([k] int64 on the state's device), in that order."""
+        self.frequency_penalties = self.frequency_penalties[keep]
+        self.presence_penalties = self.presence_penalties[keep]
+        self.repetition_penalties = self.repetition_penalties[keep]
+        self.output_counts = self.output_counts[keep]
+        self._refresh_flags()
+
+    @classmethod
+    def merge(
+        cls,
+        first: Optional["PenaltyState"],
+        first_bs: int,
+        second: Optional["PenaltyState"],
+        second_bs: int,
+        vocab_size: int,
+        device,
+    ) -> Optional["PenaltyState"]:
+        """Rows of `first` then rows of `second`; a missing side is padded with neutral rows."""
+        if first is None and second is None:
+            return None
+        a = first if first is not None else cls.neutral(first_bs, vocab_size, device)
+        b = second if second is not None else cls.neutral(second_bs, vocab_size, device)
+        return cls(
+            frequency_penalties=torch.cat([a.frequency_penalties, b.frequency_penalties]),
+            presence_penalties=torch.cat([a.presence_penalties, b.presence_penalties]),
+            repetition_penalties=torch.cat([a.repetition_penalties, b.repetition_penalties]),
+            output_counts=torch.cat([a.output_counts, b.output_counts]),
+            need_additive=a.need_additive or b.need_additive,
+            need_repetition=a.need_repetition or b.need_repetition,
+        )

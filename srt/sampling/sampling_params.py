@@ -1,0 +1,244 @@
+"""`SamplingParams`: one request's decoding knobs, with SGLang's field names, defaults and checks.
+
+Checks live here so that every entrypoint (HTTP, OpenAI layer, Engine) rejects the same values with
+the same message: the parameter name first, then the allowed range, then the value received.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Union
+
+# Below this temperature a request is decoded greedily (argmax), as in SGLang.
+GREEDY_TEMPERATURE = 1e-6
+
+_U64_MASK = (1 << 64) - 1
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _fail(message: str) -> None:
+    raise ValueError(message)
+
+
+@dataclass
+class SamplingParams:
+    """Decoding parameters of one request.
+
+    An explicit `None` for a field with a non-None default means "use the default", so clients
+    may send nulls. Call `verify()` (raises `ValueError` for bad values), then `normalize()`
+    (canonical shapes: `stop` and `stop_regex` become lists, `logit_bias` keys become ints).
+    `top_k == -1` stays -1 here; `SamplingBatchInfo` turns it into "the whole vocabulary".
+    """
+
+    max_new_tokens: int = 128  # 0 = prefill only
+    min_new_tokens: int = 0
+    stop: Optional[Union[str, List[str]]] = None
+    stop_token_ids: Optional[List[int]] = None
+    stop_regex: Optional[Union[str, List[str]]] = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    n: int = 1
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    regex: Optional[str] = None
+    json_schema: Optional[str] = None
+    ebnf: Optional[str] = None
+    logit_bias: Optional[Dict[Union[str, int], float]] = None
+    sampling_seed: Optional[int] = None
+    # Derived by normalize(): the longest stop string, in tokens when a tokenizer was given,
+    # else in characters (an upper bound). The detokenizer holds back this much text.
+    stop_str_max_len: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if f.init and getattr(self, f.name) is None and f.default is not None:
+                setattr(self, f.name, f.default)
+
+    @classmethod
+    def from_dict(cls, d: Optional[Mapping[str, Any]]) -> "SamplingParams":
+        """Build from a request's `sampling_params` object, refusing unknown keys by name."""
+        if d is None:
+            return cls()
+        if not isinstance(d, Mapping):
+            _fail(f"sampling_params must be an object, got {type(d).__name__}.")
+        known = cls.field_names()
+        for key in d:
+            if key not in known:
+                _fail(f"Unknown sampling parameter '{key}'. Supported: {', '.join(sorted(known))}.")
+        return cls(**dict(d))
+
+    @classmethod
+    def field_names(cls) -> set:
+        return {f.name for f in dataclasses.fields(cls) if f.init}
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when the next token is the argmax: temperature ~ 0 or top_k == 1."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {name: getattr(self, name) for name in self.field_names()}
+
+    # ------------------------------------------------------------------ checks
+    def verify(self, vocab_size: Optional[int] = None) -> None:
+        """Raise `ValueError` naming the first bad parameter, its allowed range and its value.
+
+        With `vocab_size`, token ids (`logit_bias` keys, `stop_token_ids`) are checked against it.
+        """
+        self._verify_types()
+        self._verify_ranges()
+        self._verify_lengths()
+        self._verify_stops(vocab_size)
+        self._verify_logit_bias(vocab_size)
+        self._verify_grammar()
+
+    def _verify_types(self) -> None:
+        for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
+                     "repetition_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value):
+                _fail(f"{name} must be a number, got {value!r}.")
+        for name in ("max_new_tokens", "min_new_tokens", "top_k", "n"):
+            value = getattr(self, name)
+            if not _is_int(value):
+                _fail(f"{name} must be an integer, got {value!r}.")
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+                     "no_stop_trim"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                _fail(f"{name} must be a boolean, got {value!r}.")
+        if self.sampling_seed is not None and not _is_int(self.sampling_seed):
+            _fail(f"sampling_seed must be an integer or null, got {self.sampling_seed!r}.")
+
+    def _verify_ranges(self) -> None:
+        t = self.temperature
+        if not (t >= 0 and math.isfinite(t)):
+            _fail(f"temperature must be >= 0 and finite, got {t}.")
+        if not 0 < self.top_p <= 1:
+            _fail(f"top_p must be in (0, 1], got {self.top_p}.")
+        if not (self.top_k == -1 or self.top_k >= 1):
+            _fail(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}.")
+        if not 0 <= self.min_p <= 1:
+            _fail(f"min_p must be in [0, 1], got {self.min_p}.")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not -2 <= value <= 2:
+                _fail(f"{name} must be in [-2, 2], got {value}.")
+        if not 0 < self.repetition_penalty <= 2:
+            _fail(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}.")
+        if self.n < 1:
+            _fail(f"n must be >= 1, got {self.n}.")
+
+    def _verify_lengths(self) -> None:
+        if self.max_new_tokens < 0:
+            _fail(f"max_new_tokens must be >= 0, got {self.max_new_tokens}.")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            _fail(f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "
+                  f"got {self.min_new_tokens}.")
+
+    def _verify_stops(self, vocab_size: Optional[int]) -> None:
+        for s in _as_list(self.stop, "stop"):
+            if not isinstance(s, str) or not s:
+                _fail(f"stop must be a non-empty string or a list of them, got {s!r}.")
+        for pattern in _as_list(self.stop_regex, "stop_regex"):
+            if not isinstance(pattern, str) or not pattern:
+                _fail(f"stop_regex must be a non-empty string or a list of them, got {pattern!r}.")
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                _fail(f"stop_regex must be a valid regular expression, got {pattern!r}: {exc}.")
+        ids = self.stop_token_ids if self.stop_token_ids is not None else []
+        if not isinstance(ids, (list, tuple, set)):
+            _fail(f"stop_token_ids must be a list of token ids, got {ids!r}.")
+        upper = vocab_size if vocab_size is not None else None
+        for tid in ids:
+            if not _is_int(tid) or tid < 0 or (upper is not None and tid >= upper):
+                bound = f"[0, vocab_size={upper})" if upper is not None else ">= 0"
+                _fail(f"stop_token_ids must hold token ids in {bound}, got {tid!r}.")
+
+    def _verify_logit_bias(self, vocab_size: Optional[int]) -> None:
+        if self.logit_bias is None:
+            return
+        if not isinstance(self.logit_bias, Mapping):
+            _fail(f"logit_bias must be an object mapping token ids to biases, got {self.logit_bias!r}.")
+        bound = f"[0, vocab_size={vocab_size})" if vocab_size is not None else "[0, vocab_size)"
+        for key, bias in self.logit_bias.items():
+            tid = _token_id_key(key)
+            if tid is None or tid < 0 or (vocab_size is not None and tid >= vocab_size):
+                _fail(f"logit_bias keys must be token ids in {bound}, got {key!r}.")
+            if not _is_number(bias) or not math.isfinite(bias):
+                _fail(f"logit_bias values must be finite numbers, got {bias!r} for token {key!r}.")
+
+    def _verify_grammar(self) -> None:
+        given = [name for name in ("regex", "json_schema", "ebnf") if getattr(self, name) is not None]
+        if len(given) > 1:
+            _fail(f"regex, json_schema and ebnf are mutually exclusive (set at most one), "
+                  f"got {' and '.join(given)}.")
+        for name in given:
+            if not isinstance(getattr(self, name), str):
+                _fail(f"{name} must be a string, got {type(getattr(self, name)).__name__}.")
+
+    # ------------------------------------------------------------- canonical form
+    def normalize(self, tokenizer: Any = None) -> None:
+        """Bring list-or-scalar fields to lists and derive `stop_str_max_len`.
+
+        Idempotent. Assumes `verify()` passed (or raises its `ValueError` on malformed shapes).
+        """
+        self.stop = list(_as_list(self.stop, "stop"))
+        self.stop_regex = list(_as_list(self.stop_regex, "stop_regex"))
+        self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        if self.logit_bias is not None:
+            self.logit_bias = {_token_id_key(k): float(v) for k, v in self.logit_bias.items()}
+        self.stop_str_max_len = max((self._stop_len(s, tokenizer) for s in self.stop), default=0)
+
+    @staticmethod
+    def _stop_len(stop: str, tokenizer: Any) -> int:
+        if tokenizer is None:
+            return len(stop)
+        return len(tokenizer.encode(stop, add_special_tokens=False))
+
+
+def _as_list(value: Any, name: str) -> List[Any]:
+    """`None` -> [], a string -> [string], a list/tuple -> itself; anything else is refused."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    raise ValueError(f"{name} must be a string or a list of strings, got {value!r}.")
+
+
+def _token_id_key(key: Any) -> Optional[int]:
+    """`logit_bias` keys arrive as JSON strings ("50256") or ints; None when not an integer."""
+    if _is_int(key):
+        return key
+    if isinstance(key, str):
+        try:
+            return int(key.strip())
+        except ValueError:
+            return None
+    return None
+
+
+def fold_seed(seed: int) -> int:
+    """Map any Python int seed onto a signed int64 (two's complement of its low 64 bits)."""
+    folded = seed & _U64_MASK
+    return folded - (1 << 64) if folded >= (1 << 63) else folded

@@ -1,0 +1,104 @@
+"""`ServerArgs`: every launch flag as one dataclass; the CLI is generated from its fields."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Sequence
+
+logger = logging.getLogger(__name__)
+
+DTYPE_CHOICES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+KV_CACHE_DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2")
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+LOAD_FORMAT_CHOICES = ("auto", "safetensors", "dummy")
+ATTENTION_BACKEND_CHOICES = ("auto", "torch_native", "flashinfer")
+
+
+def parse_context_length(value: Any) -> Optional[int]:
+    """`16k` = 16000 and `16K` = 16384 (as vLLM's --max-model-len); plain ints pass through."""
+    if value is None or isinstance(value, int):
+        return value
+    text = str(value).strip()
+    units = {"k": 1000, "K": 1024, "m": 1000**2, "M": 1024**2}
+    try:
+        if text and text[-1] in units:
+            return int(float(text[:-1]) * units[text[-1]])
+        return int(text)
+    except ValueError:
+        raise ValueError(
+            f"Invalid --context-length {value!r}: use an integer or a suffix like 16k (16000) or 16K (16384)."
+        ) from None
+
+
+def _opt(default: Any, help: str, choices: Optional[Sequence[str]] = None, **extra: Any):
+    return field(default=default, metadata={"help": help, "choices": choices, **extra})
+
+
+@dataclass
+class ServerArgs:
+    model_path: str = _opt(None, "Path of a Hugging Face format model directory.", required=True)
+    tokenizer_path: Optional[str] = _opt(None, "Tokenizer directory (default: the model path).")
+    dtype: str = _opt("auto", "Weight and activation dtype; auto keeps the checkpoint's.", DTYPE_CHOICES)
+    kv_cache_dtype: str = _opt("auto", "KV cache storage dtype; auto = model dtype.", KV_CACHE_DTYPE_CHOICES)
+    device: str = _opt("auto", "cuda when available, else cpu.", DEVICE_CHOICES)
+    load_format: str = _opt("auto", "dummy = seeded random weights from config.json alone.", LOAD_FORMAT_CHOICES)
+    context_length: Optional[int] = _opt(None, "Override the model's context length (16k = 16000, 16K = 16384).")
+    page_size: int = _opt(1, "Tokens per KV page.")
+    attention_backend: str = _opt("auto", "auto = flashinfer on CUDA when installed, else torch_native.",
+                                  ATTENTION_BACKEND_CHOICES)
+    random_seed: int = _opt(0, "Seed for weights of --load-format dummy and unseeded sampling.")
+    trust_remote_code: bool = _opt(False, "Allow custom model/tokenizer code from the model directory.")
+
+    def __post_init__(self) -> None:
+        self.context_length = parse_context_length(self.context_length)
+        if self.tokenizer_path is None:
+            self.tokenizer_path = self.model_path
+        self.check()
+
+    def check(self) -> None:
+        """Refuse bad values with the flag, the value and what is accepted."""
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            value = getattr(self, f.name)
+            if choices and value not in choices:
+                raise ValueError(
+                    f"Invalid --{f.name.replace('_', '-')} {value!r}. Accepted values: {', '.join(choices)}."
+                )
+        if self.page_size < 1:
+            raise ValueError(f"--page-size must be >= 1, got {self.page_size}.")
+        if self.context_length is not None and self.context_length < 2:
+            raise ValueError(f"--context-length must be >= 2, got {self.context_length}.")
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        for f in dataclasses.fields(ServerArgs):
+            flag = "--" + f.name.replace("_", "-")
+            meta = f.metadata
+            if f.type in ("bool", bool):
+                parser.add_argument(flag, action="store_true", help=meta.get("help"))
+                continue
+            kwargs = dict(default=f.default, help=meta.get("help"))
+            if meta.get("choices"):
+                kwargs["choices"] = meta["choices"]
+            if meta.get("required"):
+                kwargs["required"] = True
+            if f.name == "context_length":
+                kwargs["type"] = parse_context_length
+            elif f.type in ("int", int, "Optional[int]"):
+                kwargs["type"] = int
+            elif f.type in ("float", float, "Optional[float]"):
+                kwargs["type"] = float
+            parser.add_argument(flag, **kwargs)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def prepare_server_args(argv: List[str]) -> ServerArgs:
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    return ServerArgs.from_cli_args(parser.parse_args(argv))

@@ -11,14 +11,19 @@ def flashinfer_available() -> bool:
     return importlib.util.find_spec("flashinfer") is not None
 
 
-def resolve_attention_backend(name: str, device: str) -> str:
-    """Map `auto` to a concrete backend: flashinfer on CUDA when installed, else torch_native."""
+def resolve_attention_backend(name: str, device: str, dtype=None) -> str:
+    """Map `auto` to a concrete backend: flashinfer on CUDA when installed (and the model dtype
+    is one its kernels take: fp16/bf16), else torch_native."""
+    import torch
+
+    half = dtype in (None, torch.float16, torch.bfloat16)
     if name not in ATTENTION_BACKENDS:
         raise ValueError(
             f"Invalid --attention-backend {name!r}. Choose one of: {', '.join(ATTENTION_BACKENDS)}."
         )
     if name == "auto":
-        return "flashinfer" if device.startswith("cuda") and flashinfer_available() else "torch_native"
+        use = device.startswith("cuda") and half and flashinfer_available()
+        return "flashinfer" if use else "torch_native"
     if name == "flashinfer":
         if not device.startswith("cuda"):
             raise ValueError("--attention-backend flashinfer needs --device cuda.")

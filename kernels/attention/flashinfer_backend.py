@@ -30,8 +30,9 @@ class FlashInferAttnBackend(AttentionBackend):
     """Plans one FlashInfer wrapper per step and runs it for every layer.
 
     `init_forward_metadata` builds the page table (`flashinfer_metadata`) and calls `plan` once;
-    every layer then only calls `run`. The softmax scale is part of the plan in FlashInfer, so it
-    is planned with `head_dim ** -0.5` and re-planned only if a layer's `scaling` differs.
+    every layer then only calls `run`. The softmax scale is part of the plan in FlashInfer: a step
+    is planned with the scale the layers used last (at first `head_dim ** -0.5`), and re-planned
+    only when a layer's `scaling` differs, so a model with a custom scale re-plans once in total.
 
     fp8 KV storage is passed to FlashInfer as fp8 with `kv_data_type` set (the kernel upcasts on
     load, as in SGLang); our pool stores unscaled values, so no k/v scale is needed. Upcasting a
@@ -50,7 +51,12 @@ class FlashInferAttnBackend(AttentionBackend):
         self.head_dim = int(cfg.head_dim)
         self.q_data_type = model_runner.dtype
         self.kv_data_type = getattr(pool, "store_dtype", model_runner.dtype)
-        self.default_scale = 1.0 / math.sqrt(self.head_dim)
+        self.sm_scale = 1.0 / math.sqrt(self.head_dim)
+        if self.q_data_type not in (torch.float16, torch.bfloat16):
+            raise ValueError(
+                f"--attention-backend flashinfer needs a float16 or bfloat16 model, got "
+                f"{self.q_data_type}. Use --dtype bfloat16, or --attention-backend torch_native."
+            )
         if self.num_qo_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads {self.num_qo_heads} is not a multiple of "
@@ -66,7 +72,6 @@ class FlashInferAttnBackend(AttentionBackend):
         )
         self.metadata: Optional[FlashInferMetadata] = None
         self.is_decode = False
-        self.planned_scale: Optional[float] = None
         logger.info(
             "FlashInfer attention: %d q heads, %d kv heads, head_dim %d, page_size %d, kv %s%s",
             self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size,
@@ -76,14 +81,15 @@ class FlashInferAttnBackend(AttentionBackend):
     def init_forward_metadata(self, fb: "ForwardBatch") -> None:
         self.metadata = build_forward_metadata(fb, self.page_size)
         self.is_decode = fb.forward_mode.is_decode()
-        self._plan(self.default_scale)
+        self._plan()
 
-    def _plan(self, sm_scale: float) -> None:
-        """Plan this step's kernel (host-side scheduling over the page table) for `sm_scale`."""
+    def _plan(self) -> None:
+        """Plan this step's kernel (host-side work split over the page table) at `sm_scale`."""
         m = self.metadata
         assert m is not None, "init_forward_metadata must run before attention"
         dims = (self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size)
-        types = dict(q_data_type=self.q_data_type, kv_data_type=self.kv_data_type, sm_scale=sm_scale)
+        types = dict(q_data_type=self.q_data_type, kv_data_type=self.kv_data_type,
+                     sm_scale=self.sm_scale)
         if self.is_decode:
             self.decode_wrapper.plan(
                 m.kv_indptr, m.kv_indices, m.kv_last_page_len, *dims,
@@ -94,15 +100,15 @@ class FlashInferAttnBackend(AttentionBackend):
                 m.qo_indptr, m.kv_indptr, m.kv_indices, m.kv_last_page_len, *dims,
                 causal=True, pos_encoding_mode="NONE", **types,
             )
-        self.planned_scale = sm_scale
 
     def _prepare(self, q: torch.Tensor, layer: "RadixAttention", fb: "ForwardBatch"):
         """Check the layer against the plan; return q as `[n, H, D]` and the paged (K, V) views."""
         assert (layer.tp_q_head_num, layer.tp_k_head_num, layer.head_dim) == (
             self.num_qo_heads, self.num_kv_heads, self.head_dim
         ), "layer heads differ from the model config the backend was planned with"
-        if not math.isclose(layer.scaling, self.planned_scale, rel_tol=1e-6):
-            self._plan(layer.scaling)
+        if not math.isclose(layer.scaling, self.sm_scale, rel_tol=1e-6):
+            self.sm_scale = float(layer.scaling)
+            self._plan()
         pool = fb.token_to_kv_pool
         shape = (-1, self.page_size, self.num_kv_heads, self.head_dim)
         k_cache = pool.get_key_buffer(layer.layer_id).view(shape)
@@ -110,12 +116,12 @@ class FlashInferAttnBackend(AttentionBackend):
         q = q.contiguous().view(-1, self.num_qo_heads, self.head_dim)
         return q, (k_cache, v_cache)
 
-    def forward_extend(self, q: torch.Tensor, layer: "RadixAttention", fb: "ForwardBatch") -> torch.Tensor:
+    def forward_extend(self, q: torch.Tensor, layer: "RadixAttention", fb: "ForwardBatch"):
         q, kv = self._prepare(q, layer, fb)
         o = self.prefill_wrapper.run(q, kv)
         return o.view(-1, self.num_qo_heads * self.head_dim)
 
-    def forward_decode(self, q: torch.Tensor, layer: "RadixAttention", fb: "ForwardBatch") -> torch.Tensor:
+    def forward_decode(self, q: torch.Tensor, layer: "RadixAttention", fb: "ForwardBatch"):
         q, kv = self._prepare(q, layer, fb)
         o = self.decode_wrapper.run(q, kv)
         return o.view(-1, self.num_qo_heads * self.head_dim)

@@ -42,7 +42,7 @@ class ModelRunner:
         self.dtype = self.model_config.dtype
         self.model = get_model(self.model_config, server_args.load_format, self.device, server_args.random_seed)
         self.init_memory_pool(max_total_tokens, max_running_requests)
-        self.attention_backend_name = resolve_attention_backend(server_args.attention_backend, self.device)
+        self.attention_backend_name = resolve_attention_backend(server_args.attention_backend, self.device, self.dtype)
         self.attn_backend = create_attention_backend(self.attention_backend_name, self)
 
     def init_memory_pool(self, max_total_tokens: int, max_running_requests: int) -> None:

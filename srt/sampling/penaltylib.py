@@ -8,13 +8,11 @@ built once and then updated with one `scatter_add_` per step.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Union
+from typing import List, Optional, Sequence
 
 import torch
 
 from srt.sampling.sampling_params import SamplingParams
-
-Indices = Union[torch.Tensor, Sequence[int]]
 
 
 def count_output_tokens(

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Create .venv (if missing) and install this project with the extras in $EXTRAS (default: test).
+# torch goes in first and never as a CUDA build on a machine without a GPU.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PY=${PYTHON:-python3}
+EXTRAS=${EXTRAS:-test}
+TORCH_VERSION=${TORCH_VERSION:-2.13.0}
+PIP=".venv/bin/python -m pip"
+
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+
+has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
+
+if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
+  echo "[setup] installing torch"
+  # 1) a local wheel (these machines keep a CPU build of torch==$TORCH_VERSION on disk);
+  # 2) without a GPU, PyTorch's CPU index; 3) plain torch (CUDA build where a GPU exists).
+  $PIP install -q --no-index "torch==$TORCH_VERSION" 2>/dev/null \
+    || { ! has_gpu && $PIP install -q torch --index-url https://download.pytorch.org/whl/cpu; } \
+    || $PIP install -q "torch==$TORCH_VERSION" \
+    || $PIP install -q torch
+fi
+
+stamp=".venv/.installed-$(cat pyproject.toml | sha1sum | cut -c1-12)-$EXTRAS"
+if [ ! -f "$stamp" ]; then
+  echo "[setup] installing the project (.[${EXTRAS}])"
+  $PIP install -q -e ".[${EXTRAS}]"
+  touch "$stamp"
+fi

@@ -1,0 +1,185 @@
+"""`Sampler`: next-token choice from logits — penalties, greedy/temperature, top-k/top-p/min-p,
+per-request seeds — plus the logprobs the API reports, all as batched tensor ops.
+
+Choices:
+  * Logprobs are `log_softmax` of the logits *after* penalties, logit_bias and bans but *before*
+    temperature and top-k/top-p/min-p, so they describe the model (plus the user's explicit
+    edits), not the sampling knobs, and greedy and sampled requests report on the same scale.
+  * Each sampled row draws one uniform u and inverts the float64 CDF of its filtered probs.
+    Unseeded rows take u from torch's global RNG; seeded rows take it from a counter-based hash
+    of (seed, position), so a seeded request's draw depends on nothing else in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from srt.sampling.sampling_batch_info import SamplingBatchInfo
+
+_MASK32 = 0xFFFFFFFF
+_MASK16 = 0xFFFF
+
+
+@dataclass
+class SampleOutput:
+    """Result of one sampling step for a batch of bs requests."""
+
+    next_token_ids: torch.Tensor  # [bs] int64
+    # [bs] float32: logprob of next_token_ids[i] (see the module docstring); None unless asked.
+    logprobs: Optional[torch.Tensor] = None
+    # Per request: (values, ids) of its top_logprobs_nums[i] most likely tokens, best first.
+    top_logprobs: Optional[List[Tuple[List[float], List[int]]]] = None
+    # Per request: logprobs of the ids it asked for in token_ids_logprob (empty when none).
+    token_ids_logprobs: Optional[List[List[float]]] = None
+
+
+class Sampler(nn.Module):
+    """Chooses one token per request. Stateless: all per-request state is in `SamplingBatchInfo`."""
+
+    def forward(
+        self,
+        logits: torch.Tensor,
+        info: SamplingBatchInfo,
+        return_logprob: bool = False,
+        top_logprobs_nums: Optional[Sequence[int]] = None,
+        positions: Optional[torch.Tensor] = None,
+        token_ids_logprob: Optional[Sequence[Optional[Sequence[int]]]] = None,
+    ) -> SampleOutput:
+        """Sample from `logits` [bs, vocab] (float32; modified in place by `info.apply_logits_bias`).
+
+        `positions` [bs]: the step counter of each seeded draw — pass each request's current
+        sequence length so that every step draws afresh. Defaults to `info.output_lens`.
+        """
+        assert logits.dim() == 2 and logits.shape[0] == info.batch_size, (
+            f"logits {tuple(logits.shape)} do not match a batch of {info.batch_size}"
+        )
+        info.apply_logits_bias(logits)
+        greedy_ids = torch.argmax(logits, dim=-1)
+        if info.is_all_greedy:
+            next_ids = greedy_ids
+        else:
+            probs = torch.softmax(logits / info.temperatures, dim=-1)
+            probs = filter_probs(probs, info)
+            u = _uniforms(info, positions)
+            sampled = sample_from_probs(probs, u)
+            next_ids = torch.where(info.greedy_mask, greedy_ids, sampled)
+        return self._with_logprobs(
+            next_ids, logits, return_logprob, top_logprobs_nums, token_ids_logprob
+        )
+
+    @staticmethod
+    def _with_logprobs(
+        next_ids: torch.Tensor,
+        logits: torch.Tensor,
+        return_logprob: bool,
+        top_logprobs_nums: Optional[Sequence[int]],
+        token_ids_logprob: Optional[Sequence[Optional[Sequence[int]]]],
+    ) -> SampleOutput:
+        out = SampleOutput(next_token_ids=next_ids)
+        if not return_logprob:
+            return out
+        logprobs = torch.log_softmax(logits, dim=-1)
+        out.logprobs = logprobs.gather(1, next_ids.view(-1, 1)).view(-1)
+        if top_logprobs_nums is not None and any(k > 0 for k in top_logprobs_nums):
+            k_max = min(max(top_logprobs_nums), logprobs.shape[1])
+            values, ids = logprobs.topk(k_max, dim=-1)
+            values, ids = values.tolist(), ids.tolist()
+            out.top_logprobs = [
+                (values[i][:k], ids[i][:k]) for i, k in enumerate(top_logprobs_nums)
+            ]
+        if token_ids_logprob is not None:
+            rows = logprobs.cpu() if logprobs.device.type != "cpu" else logprobs
+            out.token_ids_logprobs = [
+                rows[i, list(ids)].tolist() if ids else [] for i, ids in enumerate(token_ids_logprob)
+            ]
+        return out
+
+
+def filter_probs(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """Zero the tokens that top-k, then top-p, then min-p exclude; rows are not renormalised.
+
+    Each filter sees what the previous one kept, as in HF's warpers: top-p keeps the smallest
+    prefix (by probability) whose share of the *remaining* mass reaches top_p; the most likely
+    token always survives. Rows with neutral values are untouched.
+    """
+    if info.need_top_k_sampling or info.need_top_p_sampling:
+        sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
+        if info.need_top_k_sampling:
+            ranks = torch.arange(probs.shape[1], device=probs.device)
+            sorted_probs.masked_fill_(ranks.unsqueeze(0) >= info.top_ks.unsqueeze(1), 0.0)
+        if info.need_top_p_sampling:
+            kept_mass = sorted_probs.sum(dim=-1, keepdim=True)
+            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            top_ps = info.top_ps.unsqueeze(1)
+            drop = (mass_before >= top_ps * kept_mass) & (top_ps < 1.0)
+            sorted_probs.masked_fill_(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+    if info.need_min_p_sampling:
+        max_probs = probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < info.min_ps.unsqueeze(1) * max_probs, 0.0)
+    return probs
+
+
+def sample_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw: the first token whose cumulative mass exceeds u * total ([bs] int64).
+
+    float64 keeps tail tokens' slices of the CDF their true width. The clamp guards against
+    rounding putting u * total at or past the end: it picks the last token with mass, never a
+    zero-probability one.
+    """
+    cdf = probs.to(torch.float64).cumsum(dim=-1)
+    target = (u.to(torch.float64) * cdf[:, -1]).unsqueeze(1)
+    ids = torch.searchsorted(cdf, target, right=True).view(-1)
+    vocab = torch.arange(probs.shape[1], device=probs.device)
+    last_nonzero = torch.where(probs > 0, vocab, -1).amax(dim=-1)
+    return torch.minimum(ids, last_nonzero)
+
+
+def _uniforms(info: SamplingBatchInfo, positions: Optional[torch.Tensor]) -> torch.Tensor:
+    """One uniform in [0, 1) per row: hashed for seeded rows, from torch's RNG for the rest."""
+    bs = info.batch_size
+    if not info.any_seeded:
+        return torch.rand(bs, dtype=torch.float64, device=info.device)
+    steps = info.output_lens if positions is None else positions.to(info.device, torch.int64)
+    hashed = seeded_uniform(info.seeds, steps)
+    fresh = torch.rand(bs, dtype=torch.float64, device=info.device)
+    return torch.where(info.has_seed, hashed, fresh)
+
+
+# ------------------------------------------------------------------------ seed hashing
+def seeded_uniform(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Uniform in (0, 1) (float64, 52 random bits) from int64 `seeds` and `positions`.
+
+    A counter-based hash (murmur3's 32-bit finaliser chained over the seed's two words and the
+    position), computed with int64 tensor ops on any device. Values stay below 2^32 between
+    steps and products below 2^49, so nothing relies on integer overflow.
+    """
+    seed_lo = seeds & _MASK32
+    seed_hi = (seeds >> 32) & _MASK32
+    pos = positions & _MASK32
+    key = _fmix32(seed_lo ^ 0x9E3779B9)
+    key = _fmix32(key ^ seed_hi)
+    key = _fmix32(key ^ pos)
+    word_a = _fmix32(key ^ 0x68E31DA4)
+    word_b = _fmix32((key + 0x1B56C4E9) & _MASK32)
+    bits52 = (word_a << 20) | (word_b >> 12)
+    return (bits52.to(torch.float64) + 0.5) * (2.0 ** -52)
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2^32 for x in [0, 2^32), split into 16-bit halves to stay within int64."""
+    low = (x & _MASK16) * c
+    high = (((x >> 16) * c) & _MASK16) << 16
+    return (low + high) & _MASK32
+
+
+def _fmix32(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mul32(x, 0xC2B2AE35)
+    return x ^ (x >> 16)

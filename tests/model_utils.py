@@ -1,0 +1,45 @@
+"""Shared helpers for model-level tests: build a runner, run greedy extend + decode."""
+
+from __future__ import annotations
+
+from typing import List, Sequence, Tuple
+
+import torch
+
+from srt.model_executor.model_runner import ModelRunner
+from srt.model_executor.static_batch import StaticBatch
+from srt.server_args import ServerArgs
+
+
+def make_runner(model_path, max_total_tokens: int = 8192, max_running_requests: int = 16, **kw) -> ModelRunner:
+    kw.setdefault("dtype", "float32")
+    kw.setdefault("device", "cpu")
+    args = ServerArgs(model_path=str(model_path), **kw)
+    return ModelRunner(args, max_total_tokens=max_total_tokens, max_running_requests=max_running_requests)
+
+
+def random_prompts(vocab: int, lengths: Sequence[int], seed: int = 0) -> List[List[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def greedy_run(runner: ModelRunner, prompts: Sequence[Sequence[int]], steps: int) -> Tuple[List[List[int]], torch.Tensor]:
+    """One EXTEND of all prompts then `steps` DECODE steps; returns tokens and first logits."""
+    batch = StaticBatch(runner, len(prompts))
+    try:
+        out = batch.extend(prompts)
+        first = out.next_token_logits.clone()
+        toks = [[t] for t in out.next_token_logits.argmax(-1).tolist()]
+        for _ in range(steps):
+            out = batch.decode(torch.tensor([t[-1] for t in toks]))
+            for t, nxt in zip(toks, out.next_token_logits.argmax(-1).tolist()):
+                t.append(nxt)
+    finally:
+        batch.release()
+    return toks, first
+
+
+def assert_pool_conserved(runner: ModelRunner) -> None:
+    """Every KV slot back in the allocator and every request row free."""
+    assert runner.token_to_kv_pool_allocator.available_size() == runner.max_total_num_tokens
+    assert runner.req_to_token_pool.available_size() == runner.req_to_token_pool.size

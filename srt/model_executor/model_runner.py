@@ -12,6 +12,7 @@ from mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAlloca
 from mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from srt.configs.model_config import ModelConfig
 from srt.layers.logits_processor import LogitsProcessorOutput
+from srt.layers.sampler import SampleOutput, Sampler
 from srt.model_executor.forward_batch_info import ForwardBatch
 from srt.model_loader.loader import get_model
 from srt.server_args import ServerArgs
@@ -44,6 +45,7 @@ class ModelRunner:
         self.init_memory_pool(max_total_tokens, max_running_requests)
         self.attention_backend_name = resolve_attention_backend(server_args.attention_backend, self.device, self.dtype)
         self.attn_backend = create_attention_backend(self.attention_backend_name, self)
+        self.sampler = Sampler()
 
     def init_memory_pool(self, max_total_tokens: int, max_running_requests: int) -> None:
         P = self.page_size
@@ -66,3 +68,9 @@ class ModelRunner:
     def forward(self, fb: ForwardBatch) -> LogitsProcessorOutput:
         self.attn_backend.init_forward_metadata(fb)
         return self.model.forward(fb.input_ids, fb.positions, fb)
+
+    def sample(self, logits_output: LogitsProcessorOutput, fb: ForwardBatch, **logprob_kwargs) -> SampleOutput:
+        """Choose each request's next token with `fb.sampling_info`; seeded draws are keyed by
+        the request's sequence length, so they do not depend on the rest of the batch."""
+        return self.sampler(logits_output.next_token_logits, fb.sampling_info, positions=fb.seq_lens,
+                            **logprob_kwargs)

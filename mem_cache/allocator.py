@@ -2,13 +2,68 @@
 
 Slot 0 (page 0) is never handed out. `alloc*` return None on a shortage (callers evict or
 retract and try again); they never raise for a normal shortage.
+
+The free list is lazy: never-used ids are a counter (`_next`), released ids are kept as a list
+of tensors merged only when an allocation reaches into them. So start-up costs O(1) even for
+a pool of millions of slots, and `free` costs O(freed), not O(pool).
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
+
+
+class _LazyFreeList:
+    """Free ids `1 .. capacity`: released tensors first, then the never-used tail."""
+
+    def __init__(self, capacity: int, device):
+        self.capacity = capacity
+        self.device = device
+        self.clear()
+
+    def clear(self) -> None:
+        self._next = 1
+        self._released: List[torch.Tensor] = []
+        self._released_count = 0
+
+    def __len__(self) -> int:
+        return self._released_count + (self.capacity - self._next + 1)
+
+    def take(self, n: int) -> Optional[torch.Tensor]:
+        if n > len(self):
+            return None
+        parts = []
+        if self._released_count and n:
+            pool = self._released[0] if len(self._released) == 1 else torch.cat(self._released)
+            k = min(n, len(pool))
+            parts.append(pool[:k])
+            rest = pool[k:]
+            self._released = [rest] if len(rest) else []
+            self._released_count = len(rest)
+            n -= k
+        if n:
+            parts.append(torch.arange(self._next, self._next + n, dtype=torch.int64, device=self.device))
+            self._next += n
+        if not parts:
+            return torch.empty(0, dtype=torch.int64, device=self.device)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def put(self, ids: torch.Tensor) -> None:
+        if ids.numel():
+            self._released.append(ids.to(torch.int64))
+            self._released_count += ids.numel()
+
+    def materialize(self) -> torch.Tensor:
+        """The whole free list as one tensor (tests and debugging)."""
+        tail = torch.arange(self._next, self.capacity + 1, dtype=torch.int64, device=self.device)
+        return torch.cat(self._released + [tail])
+
+    def assign(self, ids: torch.Tensor) -> None:
+        """Replace the free list by `ids` in that order (tests shuffle it)."""
+        self._released, self._released_count = [ids.to(torch.int64)], ids.numel()
+        self._next = self.capacity + 1
 
 
 class TokenToKVPoolAllocator:
@@ -19,20 +74,24 @@ class TokenToKVPoolAllocator:
     def __init__(self, size: int, device: str | torch.device = "cpu"):
         self.size = size
         self.device = device
-        self.clear()
+        self._free = _LazyFreeList(size, device)
+
+    @property
+    def free_slots(self) -> torch.Tensor:
+        return self._free.materialize()
+
+    @free_slots.setter
+    def free_slots(self, value: torch.Tensor) -> None:
+        self._free.assign(value)
 
     def clear(self) -> None:
-        self.free_slots = torch.arange(1, self.size + 1, dtype=torch.int64, device=self.device)
+        self._free.clear()
 
     def available_size(self) -> int:
-        return len(self.free_slots)
+        return len(self._free)
 
     def alloc(self, need_size: int) -> Optional[torch.Tensor]:
-        if need_size > len(self.free_slots):
-            return None
-        out = self.free_slots[:need_size]
-        self.free_slots = self.free_slots[need_size:]
-        return out
+        return self._free.take(need_size)
 
     def alloc_extend(
         self, prefix_lens: Sequence[int], seq_lens: Sequence[int], last_loc: Sequence[int]
@@ -45,9 +104,7 @@ class TokenToKVPoolAllocator:
         return self.alloc(len(seq_lens))
 
     def free(self, free_index: torch.Tensor) -> None:
-        if free_index.numel() == 0:
-            return
-        self.free_slots = torch.cat((self.free_slots, free_index.to(torch.int64)))
+        self._free.put(free_index)
 
 
 class PagedTokenToKVPoolAllocator:
@@ -64,30 +121,32 @@ class PagedTokenToKVPoolAllocator:
         self.page_size = page_size
         self.num_pages = size // page_size
         self.device = device
-        self.clear()
+        self._free = _LazyFreeList(self.num_pages, device)
+
+    @property
+    def free_pages(self) -> torch.Tensor:
+        return self._free.materialize()
+
+    @free_pages.setter
+    def free_pages(self, value: torch.Tensor) -> None:
+        self._free.assign(value)
 
     def clear(self) -> None:
-        self.free_pages = torch.arange(1, self.num_pages + 1, dtype=torch.int64, device=self.device)
+        self._free.clear()
 
     def available_size(self) -> int:
-        return len(self.free_pages) * self.page_size
+        return len(self._free) * self.page_size
 
-    def _take_pages(self, n: int) -> Optional[torch.Tensor]:
-        if n > len(self.free_pages):
-            return None
-        pages = self.free_pages[:n]
-        self.free_pages = self.free_pages[n:]
-        return pages
+    def _pages_to_slots(self, pages: torch.Tensor) -> torch.Tensor:
+        offsets = torch.arange(self.page_size, device=self.device)
+        return (pages[:, None] * self.page_size + offsets).reshape(-1)
 
     def alloc(self, need_size: int) -> Optional[torch.Tensor]:
         """Whole pages only: `need_size` must be a multiple of the page size."""
         if need_size % self.page_size:
             raise ValueError(f"paged alloc needs a multiple of {self.page_size}, got {need_size}")
-        pages = self._take_pages(need_size // self.page_size)
-        if pages is None:
-            return None
-        offsets = torch.arange(self.page_size, device=self.device)
-        return (pages[:, None] * self.page_size + offsets).reshape(-1)
+        pages = self._free.take(need_size // self.page_size)
+        return None if pages is None else self._pages_to_slots(pages)
 
     def alloc_extend(
         self, prefix_lens: Sequence[int], seq_lens: Sequence[int], last_loc: Sequence[int]
@@ -96,7 +155,7 @@ class PagedTokenToKVPoolAllocator:
         `prefix_len - 1`, ignored when the prefix is page-aligned), then take new pages."""
         P = self.page_size
         new_pages = [-(-s // P) - (-(-p // P)) for p, s in zip(prefix_lens, seq_lens)]
-        pages = self._take_pages(sum(new_pages))
+        pages = self._free.take(sum(new_pages))
         if pages is None:
             return None
         out, used = [], 0
@@ -105,9 +164,8 @@ class PagedTokenToKVPoolAllocator:
             if head > 0:
                 out.append(torch.arange(int(last) + 1, int(last) + 1 + head, device=self.device))
             if n:
-                mine = pages[used : used + n]
+                slots = self._pages_to_slots(pages[used : used + n])
                 used += n
-                slots = (mine[:, None] * P + torch.arange(P, device=self.device)).reshape(-1)
                 out.append(slots[: s - p - max(head, 0)])
         if not out:
             return torch.empty(0, dtype=torch.int64, device=self.device)
@@ -117,8 +175,7 @@ class PagedTokenToKVPoolAllocator:
         """One slot per request for position `seq_len - 1`; only requests whose new token
         starts a page take a page."""
         needs_page = (seq_lens - 1) % self.page_size == 0
-        n = int(needs_page.sum())
-        pages = self._take_pages(n)
+        pages = self._free.take(int(needs_page.sum()))
         if pages is None:
             return None
         out = last_loc.to(torch.int64) + 1
@@ -126,7 +183,5 @@ class PagedTokenToKVPoolAllocator:
         return out
 
     def free(self, free_index: torch.Tensor) -> None:
-        if free_index.numel() == 0:
-            return
-        pages = torch.unique(free_index.to(torch.int64) // self.page_size)
-        self.free_pages = torch.cat((self.free_pages, pages))
+        if free_index.numel():
+            self._free.put(torch.unique(free_index.to(torch.int64) // self.page_size))

@@ -26,3 +26,18 @@ class Envs:
 
 
 envs = Envs()
+
+
+@dataclass(frozen=True)
+class EnvInt:
+    name: str
+    default: int = 0
+
+    def get(self) -> int:
+        raw = os.environ.get(self.name)
+        return self.default if raw in (None, "") else int(raw)
+
+
+# Test hook: retract one running request every N decode steps (0 = off), so retraction paths run
+# in tests and soak runs, not only when memory happens to run out.
+Envs.TEST_RETRACT_INTERVAL = EnvInt(PREFIX + "TEST_RETRACT_INTERVAL")

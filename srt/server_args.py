@@ -15,6 +15,7 @@ KV_CACHE_DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2"
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 LOAD_FORMAT_CHOICES = ("auto", "safetensors", "dummy")
 ATTENTION_BACKEND_CHOICES = ("auto", "torch_native", "flashinfer")
+SCHEDULE_POLICY_CHOICES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 
 
 def parse_context_length(value: Any) -> Optional[int]:
@@ -51,6 +52,21 @@ class ServerArgs:
                                   ATTENTION_BACKEND_CHOICES)
     random_seed: int = _opt(0, "Seed for weights of --load-format dummy and unseeded sampling.")
     trust_remote_code: bool = _opt(False, "Allow custom model/tokenizer code from the model directory.")
+    # Memory and scheduling.
+    mem_fraction_static: Optional[float] = _opt(
+        None, "Fraction of free device memory (host RAM on CPU) for weights + KV pool; default "
+        "0.88 on CUDA (less on small cards), 0.3 on CPU where RAM is shared with everything else.")
+    max_total_tokens: Optional[int] = _opt(None, "Cap on the KV pool size in tokens.")
+    max_running_requests: Optional[int] = _opt(None, "Cap on concurrently running requests.")
+    max_prefill_tokens: int = _opt(16384, "Cap on new tokens in one prefill batch (never blocks the first request).")
+    chunked_prefill_size: Optional[int] = _opt(
+        None, "Split prompts longer than this into chunks (default 8192 on CUDA, 2048 on CPU; -1 disables).")
+    schedule_policy: str = _opt("fcfs", "Order of the waiting queue.", SCHEDULE_POLICY_CHOICES)
+    schedule_conservativeness: float = _opt(1.0, "Higher reserves more KV for running decodes.")
+    max_queued_requests: Optional[int] = _opt(None, "Refuse requests with 503 beyond this many waiting.")
+    disable_radix_cache: bool = _opt(False, "Never share KV between requests.")
+    radix_eviction_policy: str = _opt("lru", "Eviction order of the radix cache.", ("lru", "lfu"))
+    allow_auto_truncate: bool = _opt(False, "Truncate over-long inputs instead of refusing them.")
 
     def __post_init__(self) -> None:
         self.context_length = parse_context_length(self.context_length)
@@ -71,6 +87,16 @@ class ServerArgs:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}.")
         if self.context_length is not None and self.context_length < 2:
             raise ValueError(f"--context-length must be >= 2, got {self.context_length}.")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
+            raise ValueError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}.")
+        for name in ("max_total_tokens", "max_running_requests", "max_queued_requests"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}.")
+        if self.max_prefill_tokens < 1:
+            raise ValueError(f"--max-prefill-tokens must be >= 1, got {self.max_prefill_tokens}.")
+        if self.schedule_conservativeness <= 0:
+            raise ValueError(f"--schedule-conservativeness must be > 0, got {self.schedule_conservativeness}.")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:

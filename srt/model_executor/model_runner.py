@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Optional
 
@@ -14,6 +15,10 @@ from srt.configs.model_config import ModelConfig
 from srt.layers.logits_processor import LogitsProcessorOutput
 from srt.layers.sampler import SampleOutput, Sampler
 from srt.model_executor.forward_batch_info import ForwardBatch
+from srt.model_executor.memory_sizing import (
+    KVBudget, MemoryReading, compute_kv_budget, default_mem_fraction_static, fixed_kv_budget,
+    free_memory_after_load, read_free_memory,
+)
 from srt.model_loader.loader import get_model
 from srt.server_args import ServerArgs
 
@@ -30,22 +35,54 @@ def resolve_device(device: str) -> str:
 
 
 class ModelRunner:
-    """Loads the model and sizes the pools to `max_total_tokens` KV slots and
-    `max_running_requests` request rows of `context_len + 4` columns."""
+    """Loads the model and sizes the pools: `max_total_num_tokens` KV slots and
+    `max_running_requests` request rows of `context_len + 4` columns.
 
-    def __init__(self, server_args: ServerArgs, max_total_tokens: int, max_running_requests: int,
-                 model_config: Optional[ModelConfig] = None):
+    Without `max_total_tokens` the pool is sized from free memory measured around weight
+    loading (ARCHITECTURE.md 4.3, `memory_sizing.py`); tests and benchmarks pass explicit
+    `max_total_tokens` / `max_running_requests`, which are then used as given.
+    """
+
+    def __init__(self, server_args: ServerArgs, max_total_tokens: Optional[int] = None,
+                 max_running_requests: Optional[int] = None, model_config: Optional[ModelConfig] = None):
         self.server_args = server_args
         self.device = resolve_device(server_args.device)
         self.page_size = server_args.page_size
         torch.manual_seed(server_args.random_seed)
         self.model_config = model_config or ModelConfig.from_server_args(server_args)
         self.dtype = self.model_config.dtype
+        pre = read_free_memory(self.device) if max_total_tokens is None else None
         self.model = get_model(self.model_config, server_args.load_format, self.device, server_args.random_seed)
-        self.init_memory_pool(max_total_tokens, max_running_requests)
+        self.kv_budget = self._size_kv_pool(pre, max_total_tokens, max_running_requests)
+        self.kv_budget.log()
+        self.max_req_len = self.kv_budget.max_req_len
+        self.max_req_input_len = self.kv_budget.max_req_input_len
+        self.max_running_requests = self.kv_budget.max_running_requests
+        self.init_memory_pool(self.kv_budget.max_total_num_tokens, self.max_running_requests)
         self.attention_backend_name = resolve_attention_backend(server_args.attention_backend, self.device, self.dtype)
         self.attn_backend = create_attention_backend(self.attention_backend_name, self)
         self.sampler = Sampler()
+
+    def _size_kv_pool(self, pre: Optional[MemoryReading], max_total_tokens: Optional[int],
+                      max_running_requests: Optional[int]) -> KVBudget:
+        args, cfg = self.server_args, self.model_config
+        kind = "cuda" if self.device.startswith("cuda") else "cpu"
+        cell = MHATokenToKVPool.cell_size_bytes(cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers,
+                                                cfg.kv_cache_dtype)
+        if pre is None:
+            budget = fixed_kv_budget(max_total_tokens, args.max_running_requests, cell, self.page_size,
+                                     cfg.context_len, kind)
+        else:
+            fraction = args.mem_fraction_static or default_mem_fraction_static(kind, pre.total_bytes)
+            avail = free_memory_after_load(self.device, pre, self.model)
+            logger.debug("Free memory before loading %d bytes (%s), after %d bytes.", pre.free_bytes,
+                         pre.source, avail)
+            budget = compute_kv_budget(pre.free_bytes, avail, fraction, cell, self.page_size, cfg.context_len,
+                                       args.max_total_tokens, args.max_running_requests, kind)
+        if max_running_requests is not None:
+            bound = f"max_running_requests={max_running_requests} given by the caller"
+            budget = dataclasses.replace(budget, max_running_requests=max_running_requests, running_bound=bound)
+        return budget
 
     def init_memory_pool(self, max_total_tokens: int, max_running_requests: int) -> None:
         P = self.page_size

@@ -1,0 +1,51 @@
+"""Why a request stopped, in the JSON shape SGLang clients read from `meta_info.finish_reason`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Union
+
+
+class BaseFinishReason:
+    is_error = False
+
+    def to_json(self) -> Dict[str, Any]:
+        raise NotImplementedError
+
+
+@dataclass
+class FINISH_LENGTH(BaseFinishReason):
+    length: int
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"type": "length", "length": self.length}
+
+
+@dataclass
+class FINISH_MATCHED_TOKEN(BaseFinishReason):
+    matched: int
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"type": "stop", "matched": self.matched}
+
+
+@dataclass
+class FINISH_MATCHED_STR(BaseFinishReason):
+    matched: str
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"type": "stop", "matched": self.matched}
+
+
+@dataclass
+class FINISH_ABORT(BaseFinishReason):
+    message: str = "Aborted"
+    status_code: Optional[int] = None
+    err_type: Optional[str] = None
+    is_error = True
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"type": "abort", "message": self.message, "status_code": self.status_code}
+
+
+FinishReason = Union[FINISH_LENGTH, FINISH_MATCHED_TOKEN, FINISH_MATCHED_STR, FINISH_ABORT]

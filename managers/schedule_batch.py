@@ -1,0 +1,179 @@
+"""`ScheduleBatch`: the requests of one forward step and the KV bookkeeping around it.
+
+It turns scheduler state (`Req` objects) into a `ForwardBatch`: request rows, KV slots
+(`alloc_extend` / `alloc_decode`, evicting from the tree when short), `req_to_token` writes,
+and the sampling tensors. Retraction releases KV without inserting it into the tree.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import List, Optional, Tuple
+
+import torch
+
+from managers.req import Req
+from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from srt.sampling.sampling_batch_info import SamplingBatchInfo
+
+logger = logging.getLogger(__name__)
+
+CLIP_MAX_NEW_TOKENS = 4096  # cap on one request's reserved decode tokens in KV budgets
+
+
+class KVAllocError(RuntimeError):
+    """No KV slots (or request rows) even after evicting every unlocked tree node."""
+
+
+class ScheduleBatch:
+    def __init__(self, reqs: List[Req], runner, tree_cache, forward_mode: ForwardMode = ForwardMode.EXTEND):
+        self.reqs = reqs
+        self.runner = runner
+        self.tree_cache = tree_cache
+        self.forward_mode = forward_mode
+        self.req_to_token_pool = runner.req_to_token_pool
+        self.allocator = runner.token_to_kv_pool_allocator
+        self.page_size = runner.page_size
+        self.device = runner.device
+
+    def batch_size(self) -> int:
+        return len(self.reqs)
+
+    def is_empty(self) -> bool:
+        return not self.reqs
+
+    # ------------------------------------------------------------------ allocation
+    def _alloc(self, fn, need_tokens: int, *args) -> torch.Tensor:
+        if self.allocator.available_size() < need_tokens:
+            self.tree_cache.evict(need_tokens - self.allocator.available_size())
+        out = fn(*args)
+        if out is None:
+            raise KVAllocError(
+                f"need {need_tokens} KV slots, {self.allocator.available_size()} free after evicting; "
+                f"tree holds {self.tree_cache.evictable_size()} evictable + "
+                f"{self.tree_cache.protected_size()} protected tokens"
+            )
+        return out
+
+    def _pages(self, n: int) -> int:
+        return -(-n // self.page_size) * self.page_size
+
+    # ------------------------------------------------------------------ extend
+    def prepare_for_extend(self) -> ForwardBatch:
+        """Rows for new requests, KV for each request's `fill_ids[len(prefix_indices):]`."""
+        self.forward_mode = ForwardMode.EXTEND
+        new = [r for r in self.reqs if r.req_pool_idx is None]
+        if new:
+            rows = self.req_to_token_pool.alloc(len(new))
+            if rows is None:
+                raise KVAllocError(f"alloc_req_slots runs out of memory: {len(new)} request slots needed, "
+                                   f"{self.req_to_token_pool.available_size()} free")
+            for req, row in zip(new, rows):
+                req.req_pool_idx = row
+                self.req_to_token_pool.write(row, 0, req.prefix_indices)
+        table = self.req_to_token_pool.req_to_token
+        prefix_lens = [len(r.prefix_indices) for r in self.reqs]
+        seq_lens = [len(r.fill_ids) for r in self.reqs]
+        last_loc = [int(table[r.req_pool_idx, p - 1]) if p else 0 for r, p in zip(self.reqs, prefix_lens)]
+        need = sum(self._pages(s) - self._pages(p) for p, s in zip(prefix_lens, seq_lens))
+        out_loc = self._alloc(self.allocator.alloc_extend, need, prefix_lens, seq_lens, last_loc)
+        off = 0
+        logprob_starts = []
+        for req, p, s in zip(self.reqs, prefix_lens, seq_lens):
+            self.req_to_token_pool.write(req.req_pool_idx, p, out_loc[off : off + s - p])
+            off += s - p
+            req.kv_allocated_len = req.kv_committed_len = s
+            logprob_starts.append(self._input_logprob_start(req, p, s))
+        want_input = any(x < s - p for x, p, s in zip(logprob_starts, prefix_lens, seq_lens))
+        fb = ForwardBatch.create_extend(
+            self.runner, [r.fill_ids[p:] for r, p in zip(self.reqs, prefix_lens)], prefix_lens,
+            [r.req_pool_idx for r in self.reqs], out_loc, logprob_starts if want_input else None,
+        )
+        self.prefix_lens, self.seq_lens_cpu = prefix_lens, seq_lens
+        fb.sampling_info = self._sampling_info()
+        return fb
+
+    @staticmethod
+    def _input_logprob_start(req: Req, prefix: int, seq: int) -> int:
+        """First extend row (relative) whose logits feed input logprobs; `seq - prefix` = none."""
+        if not req.return_logprob or req.logprob_start_len < 0 or req.input_logprobs_done:
+            return seq - prefix
+        return min(max(req.logprob_start_len - prefix, 0), seq - prefix)
+
+    # ------------------------------------------------------------------ decode
+    def new_page_count(self) -> int:
+        """Requests whose next token starts a new page (all of them when page_size is 1)."""
+        if self.page_size == 1:
+            return len(self.reqs)
+        return sum(1 for r in self.reqs if r.kv_committed_len % self.page_size == 0)
+
+    def check_decode_mem(self) -> bool:
+        """Enough free slots for one more token per request, evicting the tree if needed."""
+        need = self.new_page_count() * self.page_size
+        if self.allocator.available_size() < need:
+            self.tree_cache.evict(need - self.allocator.available_size())
+        return self.allocator.available_size() >= need
+
+    def prepare_for_decode(self) -> ForwardBatch:
+        self.forward_mode = ForwardMode.DECODE
+        bs = len(self.reqs)
+        rows = torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64)
+        old = torch.tensor([r.kv_committed_len for r in self.reqs], dtype=torch.int64)
+        table = self.req_to_token_pool.req_to_token
+        flat = table.view(-1)
+        width = table.shape[1]
+        last_loc = flat.index_select(0, rows * width + old - 1).to(torch.int64)
+        out_loc = self._alloc(self.allocator.alloc_decode, self.new_page_count() * self.page_size, old + 1, last_loc)
+        flat.index_copy_(0, rows * width + old, out_loc.to(torch.int32))
+        for r in self.reqs:
+            r.kv_allocated_len = r.kv_committed_len = r.kv_committed_len + 1
+        input_ids = torch.tensor([r.output_ids[-1] for r in self.reqs], dtype=torch.int64)
+        fb = ForwardBatch.create_decode(self.runner, input_ids, (old + 1).tolist(), rows, out_loc)
+        fb.sampling_info = self._sampling_info()
+        assert fb.batch_size == bs
+        return fb
+
+    def _sampling_info(self) -> SamplingBatchInfo:
+        vocab = self.runner.model_config.vocab_size
+        stops = [r.eos_token_ids for r in self.reqs]
+        return SamplingBatchInfo.from_params(
+            [r.sampling_params for r in self.reqs], vocab, self.device,
+            output_ids=[r.output_ids for r in self.reqs], stop_token_ids=stops,
+        )
+
+    # ------------------------------------------------------------------ retraction
+    def release_req(self, req: Req) -> None:
+        """Give back a request's private slots, its lock and its row, inserting nothing."""
+        if req.req_pool_idx is None:
+            return
+        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+        private = row[req.cache_protected_len : req.kv_allocated_len].to(torch.int64)
+        self.allocator.free(private)
+        if req.last_node is not None:
+            self.tree_cache.dec_lock_ref(req.last_node)
+        self.req_to_token_pool.free(req.req_pool_idx)
+        req.req_pool_idx = None
+
+    def retract_decode(self) -> Tuple[List[Req], bool]:
+        """Retract requests until the rest can decode one step. Victims: fewest generated tokens
+        first, ties to the longest prompt. Returns (retracted, whether the rest now fits)."""
+        order = sorted(range(len(self.reqs)),
+                       key=lambda i: (len(self.reqs[i].output_ids), -len(self.reqs[i].origin_input_ids)))
+        retracted: List[Req] = []
+        while len(self.reqs) > 1 and not self.check_decode_mem():
+            victim = self.reqs[order.pop(0)]
+            self.release_req(victim)
+            victim.reset_for_retract()
+            retracted.append(victim)
+            keep = [r for r in self.reqs if r is not victim]
+            index = {id(r): i for i, r in enumerate(keep)}
+            order = [index[id(self.reqs[i])] for i in order]
+            self.reqs = keep
+        return retracted, self.check_decode_mem()
+
+    # ------------------------------------------------------------------ membership
+    def filter_batch(self, keep: Optional[List[Req]] = None) -> None:
+        self.reqs = [r for r in self.reqs if not r.finished()] if keep is None else keep
+
+    def merge_batch(self, other: "ScheduleBatch") -> None:
+        self.reqs = self.reqs + other.reqs

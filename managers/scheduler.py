@@ -1,0 +1,344 @@
+"""The scheduler loop: receive, admit under a KV budget, run prefill first then decode, retract
+under memory pressure, finish and stream. `recv`/`send` are injected so tests, the in-process
+engine and the scheduler process drive the same loop."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Any, Callable, List, Optional
+
+from managers.finish_reason import FINISH_ABORT, FINISH_LENGTH
+from managers.io_struct import AbortReq, BatchTokenIDOut, FlushCacheReqInput, FlushCacheReqOutput, TokenizedGenerateReqInput
+from managers.req import Req
+from managers.schedule_batch import KVAllocError, ScheduleBatch
+from managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
+from managers.scheduler_admission import AdmissionControl
+from managers.scheduler_output import accumulate_input_logprobs, append_token, build_output
+from mem_cache.chunk_cache import ChunkCache
+from mem_cache.radix_cache import RadixCache
+from srt.environ import envs
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(self, server_args, model_runner, tokenizer: Any = None,
+                 recv: Optional[Callable[[], List[Any]]] = None, send: Optional[Callable[[Any], None]] = None):
+        self.server_args = server_args
+        self.runner = model_runner
+        self.tokenizer = tokenizer
+        self.recv = recv or (lambda: [])
+        self.send = send or (lambda msg: None)
+        self.page_size = model_runner.page_size
+        pools = (model_runner.req_to_token_pool, model_runner.token_to_kv_pool_allocator)
+        if server_args.disable_radix_cache:
+            self.tree_cache = ChunkCache(*pools, page_size=self.page_size)
+        else:
+            self.tree_cache = RadixCache(*pools, page_size=self.page_size,
+                                         eviction_policy=server_args.radix_eviction_policy)
+        self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache)
+        self.admission = AdmissionControl(self)
+        self.waiting_queue: List[Req] = []
+        self.parked: dict = {}  # n > 1: children waiting for their shared prefix to be cached
+        self.running_batch = ScheduleBatch([], model_runner, self.tree_cache)
+        self.chunked_req: Optional[Req] = None
+        chunk = server_args.chunked_prefill_size
+        self.chunked_prefill_size = None if chunk is None or chunk <= 0 else chunk
+        self.init_new_token_ratio = min(0.7 * server_args.schedule_conservativeness, 1.0)
+        self.min_new_token_ratio = 0.14 * self.init_new_token_ratio
+        self.new_token_ratio_decay = (self.init_new_token_ratio - self.min_new_token_ratio) / 600
+        self.new_token_ratio = self.init_new_token_ratio
+        self.forward_ct = 0
+        self.decode_ct = 0
+        self.stats = dict(prefix_queried_tokens=0, prefix_hit_tokens=0, num_retractions=0, num_aborts=0,
+                          generated_tokens=0)
+        self._last_decode_log = (time.perf_counter(), 0)
+
+    # ------------------------------------------------------------------ limits
+    @property
+    def max_total_num_tokens(self) -> int:
+        return self.runner.max_total_num_tokens
+
+    @property
+    def max_running_requests(self) -> int:
+        return self.runner.max_running_requests
+
+    # ------------------------------------------------------------------ loop
+    def event_loop(self, should_stop: Callable[[], bool] = lambda: False) -> None:
+        while not should_stop():
+            if not self.step():
+                time.sleep(0.001)
+
+    def step(self) -> bool:
+        """One iteration; returns False when there was nothing to run."""
+        for msg in self.recv():
+            self.process_input(msg)
+        batch = self.get_next_batch_to_run()
+        if batch is None:
+            self.on_idle()
+            return False
+        self.run_batch(batch)
+        return True
+
+    def run_until_idle(self, max_steps: int = 1_000_000) -> None:
+        for _ in range(max_steps):
+            if not self.step() and not self.waiting_queue and not self.parked:
+                return
+        raise RuntimeError(f"scheduler still busy after {max_steps} steps")
+
+    def process_input(self, msg: Any) -> None:
+        if isinstance(msg, TokenizedGenerateReqInput):
+            self.admission.handle_generate_request(msg)
+        elif isinstance(msg, AbortReq):
+            self.abort_request(msg)
+        elif isinstance(msg, FlushCacheReqInput):
+            self.send(self.flush_cache())
+        else:
+            raise TypeError(f"scheduler got an unknown message {type(msg).__name__}")
+
+    def is_idle(self) -> bool:
+        return (self.running_batch.is_empty() and not self.waiting_queue and self.chunked_req is None
+                and not self.parked)
+
+    # ------------------------------------------------------------------ batch choice
+    def get_next_batch_to_run(self) -> Optional[ScheduleBatch]:
+        batch = self.get_new_batch_prefill()
+        if batch is not None:
+            return batch
+        if self.running_batch.is_empty():
+            return None
+        self.update_running_batch()
+        return None if self.running_batch.is_empty() else self.running_batch
+
+    def get_new_batch_prefill(self) -> Optional[ScheduleBatch]:
+        if not self.waiting_queue and self.chunked_req is None:
+            return None
+        running = len(self.running_batch.reqs)
+        slots = self.max_running_requests - running - (1 if self.chunked_req else 0)
+        if slots <= 0 and self.chunked_req is None:
+            return None
+        self.policy.calc_priority(self.waiting_queue)
+        adder = PrefillAdder(self.page_size, self.tree_cache, self.runner.token_to_kv_pool_allocator,
+                             self.running_batch.reqs, self.new_token_ratio, self.server_args.max_prefill_tokens,
+                             self.chunked_prefill_size, slots)
+        if self.chunked_req is not None:
+            self.chunked_req = adder.add_chunked_req(self.chunked_req)
+        for req in list(self.waiting_queue):
+            req.init_next_round_input(self.tree_cache)  # fresh match (cheap; lpm already matched)
+            if adder.add_one_req(req, has_chunked_req=self.chunked_req is not None) != AddReqResult.CONTINUE:
+                break
+        if adder.new_chunked_req is not None:
+            self.chunked_req = adder.new_chunked_req
+        ids = {id(r) for r in adder.can_run_list}
+        self.waiting_queue = [r for r in self.waiting_queue if id(r) not in ids]
+        for req in adder.can_run_list:
+            if not req.cached_tokens_set:  # first admission (not a chunk or a re-prefill)
+                req.cached_tokens, req.cached_tokens_set = len(req.prefix_indices), True
+                self.stats["prefix_queried_tokens"] += len(req.origin_input_ids)
+                self.stats["prefix_hit_tokens"] += len(req.prefix_indices)
+        if not adder.can_run_list:
+            return None
+        self._log_prefill(adder)
+        return ScheduleBatch(list(adder.can_run_list), self.runner, self.tree_cache)
+
+    def update_running_batch(self) -> None:
+        """Make room for one decode step: evict, then retract; abort a lone request that cannot fit."""
+        batch = self.running_batch
+        interval = envs.TEST_RETRACT_INTERVAL.get()
+        forced = interval > 0 and self.decode_ct > 0 and self.decode_ct % interval == 0 and len(batch.reqs) > 1
+        if forced or not batch.check_decode_mem():
+            if forced:
+                victim = min(batch.reqs, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
+                batch.release_req(victim)
+                victim.reset_for_retract()
+                batch.reqs = [r for r in batch.reqs if r is not victim]
+                retracted, fits = [victim], batch.check_decode_mem()
+            else:
+                retracted, fits = batch.retract_decode()
+            self._after_retract(retracted)
+            if not fits:  # a single request that cannot get a slot even alone
+                req = batch.reqs[0]
+                self._abort_running(req, "Decode out of memory: " + self._kv_numbers(req))
+                batch.reqs = []
+        else:
+            self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
+
+    def _after_retract(self, retracted: List[Req]) -> None:
+        if not retracted:
+            return
+        self.stats["num_retractions"] += len(retracted)
+        self.waiting_queue = retracted + self.waiting_queue
+        reqs = self.running_batch.reqs
+        generated = sum(len(r.output_ids) for r in reqs)
+        wanted = sum(r.sampling_params.max_new_tokens for r in reqs)
+        self.new_token_ratio = min(1.0, (generated + 20 * len(reqs)) / (wanted + 1))
+        logger.warning("KV cache is full: retracted %d request(s); #running=%d, new_token_ratio=%.3f.",
+                       len(retracted), len(reqs), self.new_token_ratio)
+
+    def _kv_numbers(self, req: Req) -> str:
+        alloc = self.runner.token_to_kv_pool_allocator
+        return (f"request {req.rid} holds {req.kv_allocated_len} tokens and needs one more; the KV pool has "
+                f"{self.max_total_num_tokens} tokens ({alloc.available_size()} free, "
+                f"{self.tree_cache.evictable_size()} evictable). Try to lower --max-running-requests or raise "
+                f"--mem-fraction-static / --max-total-tokens.")
+
+    # ------------------------------------------------------------------ forward + results
+    def run_batch(self, batch: ScheduleBatch) -> None:
+        is_decode = batch is self.running_batch
+        try:
+            fb = batch.prepare_for_decode() if is_decode else batch.prepare_for_extend()
+        except KVAllocError as e:
+            self._fail_batch(batch, is_decode, str(e))
+            return
+        logits = self.runner.forward(fb)
+        want_lp = any(r.return_logprob for r in batch.reqs)
+        sample = self.runner.sample(
+            logits, fb, return_logprob=want_lp,
+            top_logprobs_nums=[r.top_logprobs_num if r.return_logprob else 0 for r in batch.reqs] if want_lp else None)
+        self.forward_ct += 1
+        if is_decode:
+            self.decode_ct += 1
+            self.process_batch_result_decode(batch, sample)
+        else:
+            accumulate_input_logprobs(batch.reqs, logits, batch.prefix_lens, batch.seq_lens_cpu)
+            self.process_batch_result_prefill(batch, sample)
+
+    def process_batch_result_prefill(self, batch: ScheduleBatch, sample) -> None:
+        tokens = sample.next_token_ids.tolist()
+        for i, req in enumerate(batch.reqs):
+            if req is self.chunked_req:  # partial prompt: no token, keep prefilling next round
+                req.is_chunked += 1
+                self.tree_cache.cache_unfinished_req(req)
+                req.check_finished()  # applies a pending abort
+                if req.finished():
+                    self.chunked_req = None
+                    self._finish(req)
+                continue
+            req.is_chunked = 0
+            if req.sampling_params.max_new_tokens == 0:
+                req.finished_reason = FINISH_LENGTH(0)
+            else:
+                append_token(req, i, tokens[i], sample)
+                req.check_finished(self.tokenizer)
+            if req.finished():
+                self._finish(req)
+            else:
+                self.tree_cache.cache_unfinished_req(req)
+                self.running_batch.reqs.append(req)
+        self.stats["generated_tokens"] += len(batch.reqs)
+        self._stream(batch.reqs)
+
+    def process_batch_result_decode(self, batch: ScheduleBatch, sample) -> None:
+        tokens = sample.next_token_ids.tolist()
+        for i, req in enumerate(batch.reqs):
+            append_token(req, i, tokens[i], sample)
+            req.check_finished(self.tokenizer)
+            if req.finished():
+                self._finish(req)
+        self.stats["generated_tokens"] += len(batch.reqs)
+        self._stream(batch.reqs)
+        batch.filter_batch()
+        self._log_decode()
+
+    def _finish(self, req: Req) -> None:
+        self.tree_cache.cache_finished_req(req)
+        if isinstance(req.finished_reason, FINISH_ABORT):
+            self.stats["num_aborts"] += 1
+        children = self.parked.pop(req.rid, None)
+        if children:
+            self.waiting_queue.extend(children)
+
+    def _fail_batch(self, batch: ScheduleBatch, is_decode: bool, detail: str) -> None:
+        """Out of KV despite the budget: abort the batch's requests, keep serving."""
+        kind = "Decode" if is_decode else "Prefill"
+        if "alloc_req_slots" in detail:
+            message = f"{detail}. Try to lower --max-running-requests."
+        else:
+            message = f"{kind} out of memory. Try to lower your batch size: {detail}."
+        logger.error("%s", message)
+        for req in batch.reqs:
+            if req is self.chunked_req:
+                self.chunked_req = None
+            self._abort_running(req, message)
+        if is_decode:
+            batch.reqs = []
+
+    def _abort_running(self, req: Req, message: str) -> None:
+        self.running_batch.release_req(req)
+        req.finished_reason = FINISH_ABORT(message, 503)
+        self.stats["num_aborts"] += 1
+        self._stream([req])
+
+    def _stream(self, reqs: List[Req]) -> None:
+        out = build_output(reqs)
+        if out is not None:
+            self.send(out)
+
+    # ------------------------------------------------------------------ abort / flush / idle
+    def abort_request(self, msg: AbortReq) -> None:
+        def hit(r: Req) -> bool:
+            return msg.abort_all or r.rid.startswith(msg.rid)
+
+        for req in [r for r in self.waiting_queue if hit(r)]:
+            self.waiting_queue.remove(req)
+            if req.req_pool_idx is not None:
+                self.running_batch.release_req(req)
+            req.finished_reason = FINISH_ABORT("Aborted by request.", 499)
+            self.stats["num_aborts"] += 1
+            self._stream([req])
+        for rid in [k for k, v in self.parked.items() if msg.abort_all or any(hit(c) for c in v)]:
+            for child in self.parked.pop(rid):
+                child.finished_reason = FINISH_ABORT("Aborted by request.", 499)
+                self._stream([child])
+        running = self.running_batch.reqs + ([self.chunked_req] if self.chunked_req else [])
+        for req in running:
+            if hit(req):
+                req.abort("Aborted by request.", 499)
+
+    def flush_cache(self) -> FlushCacheReqOutput:
+        if not self.is_idle():
+            return FlushCacheReqOutput(False, f"Cache not flushed: {len(self.running_batch.reqs)} running and "
+                                              f"{len(self.waiting_queue)} waiting requests.")
+        self.tree_cache.reset()
+        self.runner.req_to_token_pool.clear()
+        self.runner.token_to_kv_pool_allocator.clear()
+        return FlushCacheReqOutput(True, "Cache flushed.")
+
+    def on_idle(self) -> None:
+        if self.is_idle():
+            self.new_token_ratio = self.init_new_token_ratio
+            self.check_memory_conservation()
+
+    def check_memory_conservation(self) -> None:
+        """When idle every KV slot is free or in the tree, and every request row is free."""
+        alloc = self.runner.token_to_kv_pool_allocator
+        total = alloc.available_size() + self.tree_cache.evictable_size() + self.tree_cache.protected_size()
+        rows = self.runner.req_to_token_pool
+        if total != self.max_total_num_tokens or rows.available_size() != rows.size or self.tree_cache.protected_size():
+            raise AssertionError(
+                f"KV leak: free {alloc.available_size()} + evictable {self.tree_cache.evictable_size()} + protected "
+                f"{self.tree_cache.protected_size()} != {self.max_total_num_tokens}; request rows free "
+                f"{rows.available_size()}/{rows.size}")
+
+    # ------------------------------------------------------------------ logs
+    def _log_prefill(self, adder: PrefillAdder) -> None:
+        alloc = self.runner.token_to_kv_pool_allocator
+        used = self.max_total_num_tokens - alloc.available_size() - self.tree_cache.evictable_size()
+        logger.info("Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
+                    "#running-req: %d, #queue-req: %d", len(adder.can_run_list), adder.log_input_tokens,
+                    adder.log_hit_tokens, used / self.max_total_num_tokens, len(self.running_batch.reqs),
+                    len(self.waiting_queue))
+
+    def _log_decode(self, every: int = 40) -> None:
+        if self.decode_ct % every:
+            return
+        now, t0, n0 = time.perf_counter(), *self._last_decode_log
+        tokens = self.stats["generated_tokens"]
+        alloc = self.runner.token_to_kv_pool_allocator
+        used = self.max_total_num_tokens - alloc.available_size() - self.tree_cache.evictable_size()
+        logger.info("Decode batch. #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): "
+                    "%.2f, #queue-req: %d", len(self.running_batch.reqs), used, used / self.max_total_num_tokens,
+                    (tokens - n0) / max(now - t0, 1e-9), len(self.waiting_queue))
+        self._last_decode_log = (now, tokens)

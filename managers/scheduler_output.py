@@ -1,0 +1,95 @@
+"""Turning one step's forward results into request state and the messages the front end reads."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
+
+import torch
+
+from managers.io_struct import BatchTokenIDOut
+from managers.req import Req
+
+if TYPE_CHECKING:
+    from srt.layers.logits_processor import LogitsProcessorOutput
+    from srt.layers.sampler import SampleOutput
+
+
+def append_token(req: Req, i: int, token: int, sample: "SampleOutput") -> None:
+    """Append one output token and exactly one logprob entry for it."""
+    req.output_ids.append(token)
+    if not req.return_logprob or sample.logprobs is None:
+        return
+    req.output_token_logprobs_val.append(float(sample.logprobs[i]))
+    req.output_token_logprobs_idx.append(token)
+    if req.top_logprobs_num and sample.top_logprobs is not None:
+        vals, ids = sample.top_logprobs[i]
+        req.output_top_logprobs_val.append(list(vals))
+        req.output_top_logprobs_idx.append(list(ids))
+
+
+def accumulate_input_logprobs(reqs: List[Req], logits_output: "LogitsProcessorOutput",
+                              prefix_lens: List[int], seq_lens: List[int]) -> None:
+    """Input logprobs: entry j is log p(token[s + j] | tokens before it), entry 0 is None.
+
+    Rows of `input_token_logits` cover positions `[max(s, prefix), seq)` of each request; the row
+    at position p scores token p + 1 (the row of the prompt's last position predicts the output).
+    """
+    if logits_output.input_token_logits is None:
+        return
+    logprobs = torch.log_softmax(logits_output.input_token_logits.float(), dim=-1)
+    off = 0
+    for req, p, s, n in zip(reqs, prefix_lens, seq_lens, logits_output.input_token_logits_lens):
+        rows = logprobs[off : off + n]
+        off += n
+        if n == 0 or not req.return_logprob or req.input_logprobs_done:
+            continue
+        ids = req.origin_input_ids
+        if req.input_token_logprobs_val is None:
+            req.input_token_logprobs_val, req.input_token_logprobs_idx = [None], [ids[req.logprob_start_len]]
+        first = s - n
+        for j in range(n):
+            if first + j + 1 >= len(ids):
+                break
+            tok = ids[first + j + 1]
+            req.input_token_logprobs_val.append(float(rows[j, tok]))
+            req.input_token_logprobs_idx.append(tok)
+        if s >= len(ids):
+            req.input_logprobs_done = True
+
+
+def meta_info(req: Req) -> Dict[str, Any]:
+    meta: Dict[str, Any] = {
+        "id": req.rid,
+        "prompt_tokens": len(req.origin_input_ids),
+        "completion_tokens": len(req.output_ids),
+        "cached_tokens": req.cached_tokens,
+        "total_retractions": req.total_retractions,
+    }
+    if req.truncated_input_len is not None:
+        meta["truncated_input_tokens"] = req.truncated_input_len
+    if req.return_logprob:
+        meta["output_token_logprobs"] = [
+            [v, t] for v, t in zip(req.output_token_logprobs_val, req.output_token_logprobs_idx)]
+        if req.top_logprobs_num:
+            meta["output_top_logprobs"] = [
+                [[v, t] for v, t in zip(vs, ts)]
+                for vs, ts in zip(req.output_top_logprobs_val, req.output_top_logprobs_idx)]
+        if req.input_token_logprobs_val is not None:
+            meta["input_token_logprobs"] = [
+                [v, t] for v, t in zip(req.input_token_logprobs_val, req.input_token_logprobs_idx)]
+    if getattr(req, "parent_rid", None) is not None:
+        meta["parent_rid"], meta["index"] = req.parent_rid, req.child_index
+    return meta
+
+
+def build_output(reqs: List[Req], force: bool = False) -> Optional[BatchTokenIDOut]:
+    """Updates for requests that finished or stream (internal requests are never reported)."""
+    chosen = [r for r in reqs if not getattr(r, "internal", False) and (force or r.finished() or r.stream)]
+    if not chosen:
+        return None
+    return BatchTokenIDOut(
+        rids=[r.rid for r in chosen],
+        output_ids=[list(r.output_ids) for r in chosen],
+        finished_reasons=[r.finished_reason.to_json() if r.finished() else None for r in chosen],
+        meta_info=[meta_info(r) for r in chosen],
+    )

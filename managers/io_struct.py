@@ -1,4 +1,8 @@
-"""Every message that crosses a process boundary (tokenizer manager <-> scheduler <-> detokenizer)."""
+"""Every message that crosses a process boundary (tokenizer manager <-> scheduler <-> detokenizer).
+
+Flow: TokenizerManager --TokenizedGenerateReqInput/AbortReq/FlushCacheReqInput/...--> Scheduler
+--BatchTokenIDOut (and replies)--> Detokenizer --BatchStrOut (replies forwarded)--> TokenizerManager.
+"""
 
 from __future__ import annotations
 
@@ -40,11 +44,63 @@ class FlushCacheReqOutput:
 
 
 @dataclass
+class GetLoadReqInput:
+    """Ask the scheduler for its live numbers (running, queued, token usage, counters)."""
+
+
+@dataclass
+class GetLoadReqOutput:
+    num_running_reqs: int
+    num_waiting_reqs: int
+    token_usage: float
+    max_total_num_tokens: int
+    counters: Dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class DecodeParams:
+    """How the detokenizer turns a request's ids into text."""
+
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    stop: List[str] = field(default_factory=list)
+
+
+@dataclass
 class BatchTokenIDOut:
     """Per-step update of requests that finished or stream. `output_ids` are cumulative; each
-    request's `meta_info` carries the SGLang meta fields (prompt/completion/cached tokens, ...)."""
+    request's `meta_info` carries the SGLang meta fields (prompt/completion/cached tokens, ...).
+    `input_tail_ids` are the last prompt tokens (left context for detokenizing the first outputs)."""
 
     rids: List[str]
     output_ids: List[List[int]]
     finished_reasons: List[Optional[Dict[str, Any]]]
     meta_info: List[Dict[str, Any]] = field(default_factory=list)
+    decode_params: List[DecodeParams] = field(default_factory=list)
+    input_tail_ids: List[List[int]] = field(default_factory=list)
+
+
+@dataclass
+class BatchStrOut:
+    """Detokenized update: `texts` are cumulative and never shrink between updates of a rid."""
+
+    rids: List[str]
+    texts: List[str]
+    output_ids: List[List[int]]
+    finished_reasons: List[Optional[Dict[str, Any]]]
+    meta_info: List[Dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerReady:
+    """Start-up handshake from the scheduler process (or the root-cause error text)."""
+
+    ok: bool
+    error: str = ""
+    max_total_num_tokens: int = 0
+    max_req_input_len: int = 0
+    max_req_len: int = 0
+    max_running_requests: int = 0
+    context_len: int = 0
+    vocab_size: int = 0

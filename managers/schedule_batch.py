@@ -35,6 +35,8 @@ class ScheduleBatch:
         self.allocator = runner.token_to_kv_pool_allocator
         self.page_size = runner.page_size
         self.device = runner.device
+        # Decode reuses its sampling tensors while the membership is unchanged (see _sampling_info).
+        self._sampling_cache: Optional[Tuple[Tuple[int, ...], int, SamplingBatchInfo]] = None
 
     def batch_size(self) -> int:
         return len(self.reqs)
@@ -129,9 +131,23 @@ class ScheduleBatch:
             r.kv_allocated_len = r.kv_committed_len = r.kv_committed_len + 1
         input_ids = torch.tensor([r.output_ids[-1] for r in self.reqs], dtype=torch.int64)
         fb = ForwardBatch.create_decode(self.runner, input_ids, (old + 1).tolist(), rows, out_loc)
-        fb.sampling_info = self._sampling_info()
+        fb.sampling_info = self._decode_sampling_info(input_ids)
         assert fb.batch_size == bs
         return fb
+
+    def _decode_sampling_info(self, last_tokens: torch.Tensor) -> SamplingBatchInfo:
+        """Same requests as the previous decode step: each gained exactly `last_tokens`, so
+        advancing the cached tensors equals rebuilding them (and costs O(batch), not O(python))."""
+        key = tuple(id(r) for r in self.reqs)
+        generated = sum(len(r.output_ids) for r in self.reqs)
+        cache = self._sampling_cache
+        if cache is not None and cache[0] == key and cache[1] + len(key) == generated:
+            info = cache[2]
+            info.cumulate_output_tokens(last_tokens)
+        else:
+            info = self._sampling_info()
+        self._sampling_cache = (key, generated, info)
+        return info
 
     def _sampling_info(self) -> SamplingBatchInfo:
         vocab = self.runner.model_config.vocab_size

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import torch
 
-from managers.io_struct import BatchTokenIDOut
+from managers.io_struct import BatchTokenIDOut, DecodeParams
 from managers.req import Req
 
 if TYPE_CHECKING:
@@ -92,4 +92,15 @@ def build_output(reqs: List[Req], force: bool = False) -> Optional[BatchTokenIDO
         output_ids=[list(r.output_ids) for r in chosen],
         finished_reasons=[r.finished_reason.to_json() if r.finished() else None for r in chosen],
         meta_info=[meta_info(r) for r in chosen],
+        decode_params=[_decode_params(r) for r in chosen],
+        input_tail_ids=[r.origin_input_ids[-INPUT_TAIL:] for r in chosen],
     )
+
+
+INPUT_TAIL = 5  # prompt tokens of left context for incremental detokenization
+
+
+def _decode_params(req: Req) -> DecodeParams:
+    sp = req.sampling_params
+    return DecodeParams(sp.skip_special_tokens, sp.spaces_between_special_tokens, sp.no_stop_trim,
+                        list(sp.stop or []))

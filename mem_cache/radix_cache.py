@@ -84,9 +84,7 @@ class RadixCache(BasePrefixCache):
         """
         if self._protected:
             raise ValueError(f"cannot reset the radix cache: {self._protected} tokens are locked by running requests")
-        slots = self.all_values_flatten()
-        if self.token_to_kv_pool_allocator is not None and slots.numel():
-            self.token_to_kv_pool_allocator.free(slots)
+        self._free_slots(self.all_values_flatten())
         self._init_tree()
 
     # -- sizes -------------------------------------------------------------------------------
@@ -253,9 +251,16 @@ class RadixCache(BasePrefixCache):
             victims.append(node.value)
             freed += len(node.key)
             self._delete_leaf(node)
-        if victims and self.token_to_kv_pool_allocator is not None:
-            self.token_to_kv_pool_allocator.free(torch.cat(victims))
+        if victims:
+            self._free_slots(torch.cat(victims))
         return freed
+
+    def _free_slots(self, slots: torch.Tensor) -> None:
+        """Give slots back to the allocator. `slots` must be whole pages laid out in order (as
+        tree values and page-aligned row spans are), so one slot per page is enough: the paged
+        allocator frees the page of each slot it is given."""
+        if self.token_to_kv_pool_allocator is not None and slots.numel():
+            self.token_to_kv_pool_allocator.free(slots[:: self.page_size] if self.page_size > 1 else slots)
 
     def _delete_leaf(self, node: TreeNode) -> None:
         parent = node.parent
@@ -292,8 +297,7 @@ class RadixCache(BasePrefixCache):
         in_tree = self.insert(RadixKey(token_ids[:aligned], req.extra_key), kv[:aligned])
         if in_tree < protected:
             raise AssertionError(f"request's locked prefix ({protected} tokens) is missing from the tree ({in_tree})")
-        if self.token_to_kv_pool_allocator is not None:
-            self.token_to_kv_pool_allocator.free(torch.cat((kv[protected:in_tree], kv[aligned:])))
+        self._free_slots(torch.cat((kv[protected:in_tree], kv[aligned:])))  # both start on a page
         self.dec_lock_ref(req.last_node)
         self._release_row(req)
 
@@ -318,8 +322,7 @@ class RadixCache(BasePrefixCache):
         in_tree = self.insert(key, kv[:aligned])
         if in_tree < protected:
             raise AssertionError(f"request's locked prefix ({protected} tokens) is missing from the tree ({in_tree})")
-        if self.token_to_kv_pool_allocator is not None:
-            self.token_to_kv_pool_allocator.free(kv[protected:in_tree])
+        self._free_slots(kv[protected:in_tree])
         new_last, matched, values = self._walk(key, aligned, count_hit=False) if aligned else (self.root, 0, [])
         if matched != aligned:
             raise AssertionError(f"re-match after insert found {matched} of {aligned} tokens")

@@ -15,6 +15,7 @@ from typing import Dict, Hashable, Iterator, List, Optional, Sequence, Union
 import torch
 
 _INT32 = 4  # bytes per packed token id
+FIRST_WINDOW = 1024  # tokens compared (and packed) first when a key is not packed that far yet
 
 
 def pack_token_ids(token_ids: Sequence[int]) -> bytes:
@@ -72,14 +73,14 @@ class RadixKey:
     def packed_upto(self, n: int) -> bytes:
         """int32 bytes covering at least the first `n` ids.
 
-        Packs a little ahead (64 ids, or 1/8 of what is packed) so a walk through many short
-        nodes extends the buffer O(log) times, while a match that stops early packs at most
-        ~12% more than it compared."""
+        Packs ahead geometrically (at least 64 ids, doubling, by at most 8192 ids at a time),
+        so a walk through many short nodes extends the buffer O(log) times, while a match that
+        stops early in a long key packs at most ~2x (and 8192 ids) beyond what it compared."""
         packed = self._packed
         have = len(packed) // _INT32
         if have >= n or self._ids is None:
             return packed
-        upto = min(len(self._ids), max(n, have + max(64, have // 8)))
+        upto = min(len(self._ids), max(n, 64, have + min(have, 8192)))
         self._packed = packed + pack_token_ids(self._ids[have:upto])
         return self._packed
 
@@ -128,12 +129,12 @@ def common_prefix_len(node_packed: bytes, key: RadixKey, pos: int, span: int) ->
     """How many tokens `node_packed[:span]` and `key[pos:pos+span]` share (span >= 1).
 
     Spans are compared with `bytes ==`, never token by token. A fully packed key compares the
-    whole span at once; otherwise windows double from 64 tokens, packing the key only as far
-    as compared (a mismatch early in a long node costs little). Inside the first window that
-    differs, bisection on slices keeps `a[:lo] == b[:lo]` and `a[:hi] != b[:hi]`.
+    whole span at once; otherwise windows double from FIRST_WINDOW tokens, packing the key only
+    as far as compared (a mismatch early in a long node costs little). Inside the first window
+    that differs, bisection on slices keeps `a[:lo] == b[:lo]` and `a[:hi] != b[:hi]`.
     """
     W = _INT32
-    lo, hi = 0, span if key.num_packed >= pos + span else min(span, 64)
+    lo, hi = 0, span if key.num_packed >= pos + span else min(span, FIRST_WINDOW)
     while True:
         packed = key.packed_upto(pos + hi)
         if node_packed[lo * W : hi * W] != packed[(pos + lo) * W : (pos + hi) * W]:

@@ -67,6 +67,11 @@ class ServerArgs:
     disable_radix_cache: bool = _opt(False, "Never share KV between requests.")
     radix_eviction_policy: str = _opt("lru", "Eviction order of the radix cache.", ("lru", "lfu"))
     allow_auto_truncate: bool = _opt(False, "Truncate over-long inputs instead of refusing them.")
+    # Front end.
+    chat_template: Optional[str] = _opt(None, "Chat template: a Jinja file, or a built-in name (chatml).")
+    served_model_name: Optional[str] = _opt(None, "Model name reported by the API (default: the model path).")
+    tokenizer_worker_threshold: int = _opt(
+        4096, "Inputs longer than this many characters are tokenized off the event loop.")
 
     def __post_init__(self) -> None:
         self.context_length = parse_context_length(self.context_length)

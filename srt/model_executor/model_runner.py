@@ -106,6 +106,7 @@ class ModelRunner:
         self.attn_backend.init_forward_metadata(fb)
         return self.model.forward(fb.input_ids, fb.positions, fb)
 
+    @torch.inference_mode()
     def sample(self, logits_output: LogitsProcessorOutput, fb: ForwardBatch, **logprob_kwargs) -> SampleOutput:
         """Choose each request's next token with `fb.sampling_info`; seeded draws are keyed by
         the request's sequence length, so they do not depend on the rest of the batch."""

@@ -10,7 +10,9 @@ from collections import deque
 from typing import Any, Callable, List, Optional
 
 from managers.finish_reason import FINISH_ABORT, FINISH_LENGTH
-from managers.io_struct import AbortReq, BatchTokenIDOut, FlushCacheReqInput, FlushCacheReqOutput, TokenizedGenerateReqInput
+from managers.io_struct import (
+    AbortReq, FlushCacheReqInput, FlushCacheReqOutput, GetLoadReqInput, GetLoadReqOutput, TokenizedGenerateReqInput,
+)
 from managers.req import Req
 from managers.schedule_batch import KVAllocError, ScheduleBatch
 from managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
@@ -95,6 +97,8 @@ class Scheduler:
             self.abort_request(msg)
         elif isinstance(msg, FlushCacheReqInput):
             self.send(self.flush_cache())
+        elif isinstance(msg, GetLoadReqInput):
+            self.send(self.get_load())
         else:
             raise TypeError(f"scheduler got an unknown message {type(msg).__name__}")
 
@@ -305,6 +309,15 @@ class Scheduler:
         self.runner.req_to_token_pool.clear()
         self.runner.token_to_kv_pool_allocator.clear()
         return FlushCacheReqOutput(True, "Cache flushed.")
+
+    def token_usage(self) -> float:
+        alloc = self.runner.token_to_kv_pool_allocator
+        used = self.max_total_num_tokens - alloc.available_size() - self.tree_cache.evictable_size()
+        return used / self.max_total_num_tokens
+
+    def get_load(self) -> GetLoadReqOutput:
+        return GetLoadReqOutput(len(self.running_batch.reqs), len(self.waiting_queue), self.token_usage(),
+                                self.max_total_num_tokens, dict(self.stats))
 
     def on_idle(self) -> None:
         if self.is_idle():

@@ -50,6 +50,7 @@ class BasePrefixCache(abc.ABC):
 
     disable: bool = False
     page_size: int = 1
+    device: Union[str, torch.device] = "cpu"  # where returned slot tensors live (the allocator's)
 
     @abc.abstractmethod
     def match_prefix(self, key: KeyLike) -> MatchResult:
@@ -123,7 +124,7 @@ class BasePrefixCache(abc.ABC):
         self.req_to_token_pool.free(req.req_pool_idx)
         req.req_pool_idx = None
         req.last_node = None
-        req.prefix_indices = torch.empty(0, dtype=torch.int64)
+        req.prefix_indices = empty_indices(self.device)
         req.cache_protected_len = 0
         req.kv_committed_len = 0
         req.kv_allocated_len = 0
@@ -144,8 +145,8 @@ def as_radix_key(key: KeyLike) -> RadixKey:
     return key if isinstance(key, RadixKey) else RadixKey(key)
 
 
-def empty_indices() -> torch.Tensor:
-    return torch.empty(0, dtype=torch.int64)
+def empty_indices(device: Union[str, torch.device] = "cpu") -> torch.Tensor:
+    return torch.empty(0, dtype=torch.int64, device=device)
 
 
 __all__: List[str] = ["BasePrefixCache", "MatchResult", "KeyLike", "as_radix_key", "empty_indices"]

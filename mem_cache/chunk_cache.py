@@ -32,9 +32,10 @@ class ChunkCache(BasePrefixCache):
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
         self.page_size = page_size
+        self.device = getattr(token_to_kv_pool_allocator, "device", "cpu")
 
     def match_prefix(self, key: KeyLike) -> MatchResult:
-        return MatchResult(empty_indices(), None)
+        return MatchResult(empty_indices(self.device), None)
 
     def insert(self, key: KeyLike, value: Optional[torch.Tensor] = None) -> int:
         return 0

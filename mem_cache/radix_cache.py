@@ -63,6 +63,7 @@ class RadixCache(BasePrefixCache):
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
         self.page_size = page_size
+        self.device = getattr(token_to_kv_pool_allocator, "device", "cpu")
         self.disable = disable
         self.eviction_policy = eviction_policy
         self._heap = EvictHeap(eviction_policy)
@@ -107,9 +108,9 @@ class RadixCache(BasePrefixCache):
         key = as_radix_key(key)
         n = self._aligned(len(key))
         if self.disable or n == 0:
-            return MatchResult(empty_indices(), self.root)
+            return MatchResult(empty_indices(self.device), self.root)
         node, _, values = self._walk(key, n, count_hit=True)
-        return MatchResult(torch.cat(values) if values else empty_indices(), node)
+        return MatchResult(torch.cat(values) if values else empty_indices(self.device), node)
 
     def insert(self, key: KeyLike, value: Optional[torch.Tensor] = None) -> int:
         """Insert `key -> value` (value None: the token ids themselves, for tests).
@@ -326,7 +327,7 @@ class RadixCache(BasePrefixCache):
         new_last, matched, values = self._walk(key, aligned, count_hit=False) if aligned else (self.root, 0, [])
         if matched != aligned:
             raise AssertionError(f"re-match after insert found {matched} of {aligned} tokens")
-        canonical = torch.cat(values) if values else empty_indices()
+        canonical = torch.cat(values) if values else kv[:0]
         self.req_to_token_pool.write(req.req_pool_idx, protected, canonical[protected:])
         self.inc_lock_ref(new_last)
         self.dec_lock_ref(req.last_node)
@@ -357,7 +358,7 @@ class RadixCache(BasePrefixCache):
     def all_values_flatten(self) -> torch.Tensor:
         """Every KV slot held by the tree (int64), e.g. for conservation checks."""
         values = [node.value for node in self.iter_nodes()]
-        return torch.cat(values) if values else empty_indices()
+        return torch.cat(values) if values else empty_indices(self.device)
 
     def check_invariants(self) -> None:
         check_radix_invariants(self)

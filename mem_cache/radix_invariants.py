@@ -88,7 +88,7 @@ def _check_slots(slots: torch.Tensor, page_size: int) -> None:
     _expect(torch.unique(slots).numel() == slots.numel(), "a KV slot is held by two tree positions")
     if page_size > 1:
         pages = slots.view(-1, page_size)
-        offsets = torch.arange(page_size, dtype=torch.int64)
+        offsets = torch.arange(page_size, dtype=torch.int64, device=slots.device)
         whole = (pages % page_size == offsets).all() and (pages // page_size == pages[:, :1] // page_size).all()
         _expect(bool(whole), "a page-aligned span of a node value is not one whole KV page")
 
@@ -105,7 +105,10 @@ def check_kv_conservation(tree_cache: object, allocator: object, req_to_token_po
     """
     P = getattr(allocator, "page_size", 1)
     free_pages = allocator.free_pages if P > 1 else allocator.free_slots
-    tree_slots = tree_cache.all_values_flatten() if hasattr(tree_cache, "all_values_flatten") else torch.empty(0, dtype=torch.int64)
+    if hasattr(tree_cache, "all_values_flatten"):
+        tree_slots = tree_cache.all_values_flatten().to(free_pages.device)
+    else:
+        tree_slots = free_pages.new_empty(0)
     tree_tokens = tree_cache.evictable_size() + tree_cache.protected_size()
     _expect(tree_slots.numel() == tree_tokens, f"tree holds {tree_slots.numel()} slots but reports {tree_tokens} tokens")
     owners = {"free list": free_pages.to(torch.int64), "tree": torch.unique(tree_slots // P)}

@@ -143,3 +143,18 @@ def test_flush_cache_only_when_idle(llama_model):
     assert h.outbox[-1].success is True
     assert h.sched.tree_cache.evictable_size() == 0
     h.assert_conserved()
+
+
+def test_get_load_reports_live_numbers(llama_model):
+    from managers.io_struct import GetLoadReqInput, GetLoadReqOutput
+
+    h = Harness(llama_model)
+    h.submit("a", [5, 6, 7, 8], max_new_tokens=5, ignore_eos=True)
+    h.sched.step()
+    h.sched.process_input(GetLoadReqInput())
+    load = h.outbox[-1]
+    assert isinstance(load, GetLoadReqOutput)
+    assert load.num_running_reqs == 1 and load.num_waiting_reqs == 0 and 0 < load.token_usage < 1
+    assert load.counters["prefix_queried_tokens"] == 4
+    h.run()
+    h.assert_conserved()

@@ -1,0 +1,272 @@
+"""Detokenizer process: turns the scheduler's cumulative output ids into cumulative text.
+
+Decodes only the new tail of each request (with a few tokens of left context), never emits an
+incomplete UTF-8 character, trims matched stop strings and holds back text that may become one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from managers.io_struct import BatchStrOut, BatchTokenIDOut, DecodeParams
+
+logger = logging.getLogger(__name__)
+
+REPLACEMENT_CHAR = "\ufffd"  # what decode yields for a trailing incomplete UTF-8 sequence
+DEFAULT_MAX_LIVE_STATES = 1 << 16
+POLL_INTERVAL_MS = 200  # how often the loop checks for SIGTERM and a dead parent while idle
+_DEFAULT_PARAMS = DecodeParams()
+
+
+@dataclass
+class DecodeStatus:
+    """Incremental state of one rid. Its ids are `tail_ids + output_ids` (prompt tail first).
+
+    ids[surr_offset:read_offset]: already in `decoded_text`, the left context of the next decode.
+    ids[read_offset:]: not yet in `decoded_text` (they may end inside a UTF-8 character).
+    decoded_text[:sent_offset]: what the last update carried; it never moves backwards.
+    """
+
+    tail_ids: List[int]
+    decoded_text: str = ""
+    surr_offset: int = 0
+    read_offset: int = 0
+    sent_offset: int = 0
+
+    def ids(self, output_ids: Sequence[int], start: int, end: Optional[int] = None) -> List[int]:
+        """`(tail_ids + output_ids)[start:end]` without building the whole list."""
+        n = len(self.tail_ids)
+        stop = None if end is None else end - n
+        if start >= n:
+            return list(output_ids[start - n:stop])
+        return self.tail_ids[start:] + list(output_ids[:stop])
+
+
+class TextDecoder:
+    """Batch decode with the keyword arguments the tokenizer accepts (probed once)."""
+
+    _KWARGS = ("skip_special_tokens", "spaces_between_special_tokens")
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.accepted = self._probe_kwargs()
+        self._batch_decode = getattr(tokenizer, "batch_decode", None)
+
+    def _probe_kwargs(self) -> Tuple[str, ...]:
+        for n in range(len(self._KWARGS), -1, -1):
+            names = self._KWARGS[:n]
+            try:
+                self.tokenizer.decode([], **{name: True for name in names})
+                return names
+            except TypeError:
+                continue
+        return ()
+
+    def decode(self, seqs: List[List[int]], params: DecodeParams) -> List[str]:
+        kwargs = {name: getattr(params, name) for name in self.accepted}
+        if self._batch_decode is not None:
+            return list(self._batch_decode(seqs, **kwargs))
+        return [self.tokenizer.decode(seq, **kwargs) for seq in seqs]
+
+
+def stop_safe_len(text: str, stops: Sequence[str], start: int) -> int:
+    """How much of `text` may be sent while the request runs: up to the first full stop string
+    at or after `start`, else all but the longest suffix that is a proper prefix of a stop string."""
+    stops = [s for s in stops if s]
+    if not stops:
+        return len(text)
+    max_len = max(len(s) for s in stops)
+    search_from = max(0, start - max_len + 1)
+    found = [pos for pos in (text.find(s, search_from) for s in stops) if pos != -1]
+    if found:
+        return min(found)
+    for k in range(min(max_len - 1, len(text) - start), 0, -1):
+        suffix = text[-k:]
+        if any(len(s) > k and s.startswith(suffix) for s in stops):
+            return len(text) - k
+    return len(text)
+
+
+class DetokenizerManager:
+    """`BatchTokenIDOut` -> `BatchStrOut`; every other message passes through unchanged.
+
+    Holds one `DecodeStatus` per live rid, dropped when the rid finishes. Beyond `max_live_states`
+    the least recently updated state is evicted with a warning; since output ids are cumulative,
+    an evicted rid that comes back is decoded afresh from all its ids.
+    """
+
+    def __init__(self, tokenizer: Any, max_live_states: int = DEFAULT_MAX_LIVE_STATES):
+        assert max_live_states >= 1, f"max_live_states must be >= 1, got {max_live_states}"
+        self.decoder = TextDecoder(tokenizer)
+        self.max_live_states = max_live_states
+        self.decode_status: "OrderedDict[str, DecodeStatus]" = OrderedDict()
+
+    def handle(self, msg: Any) -> Any:
+        """Dispatch of the process loop: what to send to the tokenizer manager for `msg`."""
+        if isinstance(msg, BatchTokenIDOut):
+            return self.handle_batch_token_id_out(msg)
+        return msg
+
+    def handle_batch_token_id_out(self, msg: BatchTokenIDOut) -> BatchStrOut:
+        params = [_item(msg.decode_params, i, _DEFAULT_PARAMS) for i in range(len(msg.rids))]
+        states = [self._status(rid, _item(msg.input_tail_ids, i, [])) for i, rid in enumerate(msg.rids)]
+        surr_texts, read_texts = self._decode_windows(states, msg.output_ids, params)
+        texts = []
+        for i, rid in enumerate(msg.rids):
+            state, output_ids, finished = states[i], msg.output_ids[i], msg.finished_reasons[i]
+            if surr_texts[i].endswith(REPLACEMENT_CHAR) and state.read_offset == len(state.tail_ids) > 0:
+                # The prompt tail ends inside a character: its first output bytes would complete
+                # it and shift every offset. Decode this request without left context instead.
+                state.tail_ids, state.read_offset = [], 0
+                surr_texts[i], read_texts[i] = "", self.decoder.decode([list(output_ids)], params[i])[0]
+            new_text = read_texts[i][len(surr_texts[i]):]
+            if finished is not None or (new_text and not new_text.endswith(REPLACEMENT_CHAR)):
+                state.decoded_text += new_text
+                state.surr_offset = state.read_offset
+                state.read_offset = len(state.tail_ids) + len(output_ids)
+            texts.append(self._visible_text(state, params[i], finished))
+            if finished is not None:
+                self.decode_status.pop(rid, None)
+        return BatchStrOut(
+            rids=list(msg.rids),
+            texts=texts,
+            output_ids=msg.output_ids,
+            finished_reasons=msg.finished_reasons,
+            meta_info=msg.meta_info,
+        )
+
+    def _status(self, rid: str, tail_ids: Sequence[int]) -> DecodeStatus:
+        state = self.decode_status.get(rid)
+        if state is not None:
+            self.decode_status.move_to_end(rid)
+            return state
+        tail = list(tail_ids)
+        state = DecodeStatus(tail_ids=tail, read_offset=len(tail))
+        self.decode_status[rid] = state
+        if len(self.decode_status) > self.max_live_states:
+            old_rid, _ = self.decode_status.popitem(last=False)
+            logger.warning(
+                "Detokenizer holds more than %d live requests; dropped the state of rid %r "
+                "(it is decoded afresh if it streams again).", self.max_live_states, old_rid)
+        return state
+
+    def _decode_windows(self, states: List[DecodeStatus], output_ids: List[List[int]],
+                        params: List[DecodeParams]) -> Tuple[List[str], List[str]]:
+        """Decode ids[surr:read] (context already shown) and ids[surr:] (context plus new ids),
+        one batch call per distinct set of decode options."""
+        groups: Dict[Tuple[bool, bool], List[int]] = {}
+        for i, p in enumerate(params):
+            groups.setdefault((p.skip_special_tokens, p.spaces_between_special_tokens), []).append(i)
+        surr_texts, read_texts = [""] * len(states), [""] * len(states)
+        for indices in groups.values():
+            seqs = [states[i].ids(output_ids[i], states[i].surr_offset, states[i].read_offset) for i in indices]
+            seqs += [states[i].ids(output_ids[i], states[i].surr_offset) for i in indices]
+            decoded = self.decoder.decode(seqs, params[indices[0]])
+            for j, i in enumerate(indices):
+                surr_texts[i], read_texts[i] = decoded[j], decoded[len(indices) + j]
+        return surr_texts, read_texts
+
+    @staticmethod
+    def _visible_text(state: DecodeStatus, params: DecodeParams, finished: Optional[Dict[str, Any]]) -> str:
+        """The cumulative text of this update; it always starts with the previous update's text."""
+        text = state.decoded_text
+        if finished is not None:
+            matched = finished.get("matched") if finished.get("type") == "stop" else None
+            if isinstance(matched, str) and matched and not params.no_stop_trim:
+                pos = text.find(matched, max(0, state.sent_offset - len(matched)))
+                if pos != -1:
+                    return text[:max(pos, state.sent_offset)]
+            return text
+        if params.no_stop_trim:
+            end = len(text)
+        else:
+            end = stop_safe_len(text, params.stop, state.sent_offset)
+        state.sent_offset = max(end, state.sent_offset)
+        return text[:state.sent_offset]
+
+
+def _item(values: Sequence[Any], i: int, default: Any) -> Any:
+    """Optional per-request fields of `BatchTokenIDOut` may be left empty by the sender."""
+    return values[i] if i < len(values) else default
+
+
+def _load_tokenizer(server_args: Any) -> Any:
+    try:
+        from srt.utils.hf_transformers_utils import get_tokenizer
+    except ImportError:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(server_args.tokenizer_path,
+                                             trust_remote_code=server_args.trust_remote_code)
+    return get_tokenizer(server_args.tokenizer_path, trust_remote_code=server_args.trust_remote_code)
+
+
+def _configure_logging(server_args: Any) -> None:
+    try:
+        from srt.utils.logging_utils import configure_logging
+    except ImportError:
+        logging.basicConfig(level=logging.INFO)
+        return
+    configure_logging(getattr(server_args, "log_level", None))
+
+
+def _report(ready_writer: Any, message: Dict[str, Any]) -> None:
+    if ready_writer is None:
+        return
+    try:
+        ready_writer.send(message)
+    except (OSError, ValueError):  # the parent is gone or closed its end; nobody to tell
+        pass
+
+
+def run_detokenizer_process(server_args: Any, port_args: Any, ready_writer: Any = None) -> None:
+    """Process entry: load the tokenizer, PULL `BatchTokenIDOut` from the scheduler at
+    `port_args.detokenizer_ipc_name` (bound here), PUSH results to `port_args.tokenizer_ipc_name`.
+    Sends {"ok": True} or {"ok": False, "error": text} through `ready_writer`; exits on SIGTERM."""
+    import setproctitle
+    import zmq
+
+    setproctitle.setproctitle("srt::detokenizer")
+    _configure_logging(server_args)
+    stopping: List[int] = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: stopping.append(signum))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which stops us
+    parent_pid = os.getppid()
+    context = zmq.Context(1)
+    try:
+        manager = DetokenizerManager(_load_tokenizer(server_args))
+        recv_socket = context.socket(zmq.PULL)
+        recv_socket.bind(port_args.detokenizer_ipc_name)
+        send_socket = context.socket(zmq.PUSH)
+        send_socket.connect(port_args.tokenizer_ipc_name)
+    except Exception as e:
+        error = str(e) or type(e).__name__
+        logger.error("Detokenizer failed to start: %s", error)
+        _report(ready_writer, {"ok": False, "error": error})
+        context.destroy(linger=0)
+        raise SystemExit(1) from None
+    _report(ready_writer, {"ok": True})
+    poller = zmq.Poller()
+    poller.register(recv_socket, zmq.POLLIN)
+    try:
+        while not stopping:
+            if not poller.poll(POLL_INTERVAL_MS):
+                if os.getppid() != parent_pid:
+                    logger.warning("Detokenizer exits: its parent process %d is gone.", parent_pid)
+                    break
+                continue
+            send_socket.send_pyobj(manager.handle(recv_socket.recv_pyobj()))
+    except Exception as e:
+        logger.exception("Detokenizer failed")
+        _report(ready_writer, {"ok": False, "error": f"Detokenizer failed: {type(e).__name__}: {e}"})
+        raise SystemExit(1) from None
+    finally:
+        context.destroy(linger=0)
+        if ready_writer is not None:
+            ready_writer.close()
+    logger.info("Detokenizer stopped.")

@@ -1,0 +1,458 @@
+"""TokenizerManager: the main process's side of a request (asyncio, no sockets of its own).
+
+It tokenizes (off the event loop for long texts), validates against the context length before
+anything reaches the scheduler, keeps `rid -> ReqState`, turns detokenized updates into response
+dicts, and aborts requests whose consumer went away. The caller wires IPC: `send_to_scheduler`
+out, and `handle_batch_str_out` / `handle_reply` in, called from a task on the same event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Deque, Dict, List, Optional, Tuple
+
+from managers.generate_input import GenerateReqInput, GenerateReqItem, RequestError
+from managers.io_struct import (
+    AbortReq,
+    BatchStrOut,
+    FlushCacheReqInput,
+    FlushCacheReqOutput,
+    GetLoadReqInput,
+    GetLoadReqOutput,
+    SchedulerReady,
+    TokenizedGenerateReqInput,
+)
+from managers.template_manager import TemplateManager
+from srt.sampling.sampling_params import SamplingParams
+
+__all__ = ["RequestError", "ReqState", "TokenizerManager", "TokenizerMetrics"]
+
+logger = logging.getLogger(__name__)
+
+CONTEXT_CODE = "context_length_exceeded"
+ABORTED_BY_CLIENT = 499  # status of "Aborted by request." finishes: delivered, not raised
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+@dataclass
+class LatencyHistogram:
+    """Prometheus-style histogram: `counts[i]` observations <= `buckets[i]` (not cumulative), plus +Inf."""
+
+    buckets: Tuple[float, ...]
+    counts: List[int] = field(default_factory=list)
+    sum: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * (len(self.buckets) + 1)
+
+    def observe(self, value: float) -> None:
+        self.sum += value
+        self.count += 1
+        i = next((k for k, b in enumerate(self.buckets) if value <= b), len(self.buckets))
+        self.counts[i] += 1
+
+
+@dataclass
+class TokenizerMetrics:
+    """Front-end counters for /metrics; one finished output (an n > 1 child too) counts once."""
+
+    num_requests: int = 0  # sent to the scheduler
+    num_finished: int = 0
+    num_aborted: int = 0  # abort finishes and client disconnects
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    cached_tokens: int = 0
+    time_to_first_token: LatencyHistogram = field(default_factory=lambda: LatencyHistogram(TTFT_BUCKETS))
+    inter_token_latency: LatencyHistogram = field(default_factory=lambda: LatencyHistogram(ITL_BUCKETS))
+    e2e_latency: LatencyHistogram = field(default_factory=lambda: LatencyHistogram(E2E_BUCKETS))
+
+
+@dataclass
+class _Sink:
+    """Updates of one generate call in arrival order, drained by its consumer after each wake-up."""
+
+    items: Deque[Tuple[int, Dict[str, Any]]] = field(default_factory=deque)
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass
+class _Prepared:
+    """A validated item ready to send, and the meta_info notes the front end adds to its outputs."""
+
+    req: TokenizedGenerateReqInput
+    meta_extra: Dict[str, Any]
+    item: GenerateReqItem
+
+
+@dataclass
+class ReqState:
+    """One rid in flight. `n` outputs (children `rid-i` when n > 1) land at flat indices
+    `index_base .. index_base + n - 1` of the call's results."""
+
+    rid: str
+    item: GenerateReqItem
+    n: int
+    index_base: int
+    sink: _Sink
+    meta_extra: Dict[str, Any]
+    created_time: float = field(default_factory=time.monotonic)
+    finished: bool = False
+    finished_children: set = field(default_factory=set)
+    progress: Dict[int, Tuple[int, float]] = field(default_factory=dict)  # child -> (tokens, time)
+    logprob_cache: Dict[Tuple[int, str], list] = field(default_factory=dict)
+
+    @property
+    def event(self) -> asyncio.Event:
+        return self.sink.event
+
+
+class TokenizerManager:
+    """Turns `GenerateReqInput`s into scheduler requests and detokenized updates into responses."""
+
+    def __init__(self, server_args: Any, tokenizer: Any, template_manager: Optional[TemplateManager],
+                 scheduler_info: SchedulerReady, send_to_scheduler: Callable[[object], None]):
+        self.server_args = server_args
+        self.tokenizer = tokenizer
+        self.template_manager = template_manager
+        self.scheduler_info = scheduler_info
+        self.send = send_to_scheduler
+        self.context_len = scheduler_info.context_len
+        self.vocab_size = scheduler_info.vocab_size
+        self.max_req_input_len = scheduler_info.max_req_input_len
+        self.rid_to_state: Dict[str, ReqState] = {}
+        self.metrics = TokenizerMetrics()
+        self._pending: Dict[type, Deque[asyncio.Future]] = {FlushCacheReqOutput: deque(), GetLoadReqOutput: deque()}
+        self._token_text: Dict[int, str] = {}
+        self._executor: Optional[ThreadPoolExecutor] = None
+        self._worker_tokenizer: Any = None
+
+    # ------------------------------------------------------------------ public API
+    async def generate_request(self, obj: GenerateReqInput) -> AsyncIterator[Any]:
+        """Yield `{"text", "output_ids", "meta_info"}` dicts (text and ids cumulative).
+
+        Single prompt, n == 1: stream -> one dict per update, the last one finished; else one dict.
+        Batch or n > 1: stream -> per-output updates carrying "index"; else one list of dicts.
+        Bad input raises `RequestError` on the first iteration, before anything is sent.
+        """
+        items = obj.normalize()
+        prepared = [await self._prepare(item) for item in items]
+        self._check_rids([p.req.rid for p in prepared])
+        sink = _Sink()
+        states = self._register(prepared, sink)
+        flat_single = obj.is_single and states[0].n == 1
+        try:
+            async for out in self._wait(states, sink, obj.stream, flat_single):
+                yield out
+        finally:
+            self._release(states)
+
+    async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        """Abort `rid` (and its n > 1 children); its consumer receives an abort finish reason."""
+        self.send(AbortReq(rid=rid, abort_all=abort_all))
+
+    async def flush_cache(self) -> FlushCacheReqOutput:
+        return await self._request_reply(FlushCacheReqInput(), FlushCacheReqOutput)
+
+    async def get_load(self) -> GetLoadReqOutput:
+        return await self._request_reply(GetLoadReqInput(), GetLoadReqOutput)
+
+    def chat_to_prompt(self, messages: Any, **template_kwargs: Any) -> str:
+        """Apply the chat template (400 `RequestError` when there is none or the messages are bad)."""
+        if self.template_manager is None:
+            raise RequestError("This server has no chat template manager; pass --chat-template.", 400)
+        return self.template_manager.apply(messages, **template_kwargs)
+
+    def fail_all(self, reason: str) -> None:
+        """A child process died: every in-flight request and admin call fails with 503 and `reason`."""
+        finish = {"type": "abort", "message": reason, "status_code": 503}
+        now = time.monotonic()
+        for state in list(self.rid_to_state.values()):
+            for child in range(state.n):
+                self._deliver(state, child, "", [], finish, {}, now)
+        for waiting in self._pending.values():
+            while waiting:
+                future = waiting.popleft()
+                if not future.done():
+                    future.set_exception(RequestError(reason, 503, code="service_unavailable"))
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+    # ------------------------------------------------------------------ inbound messages
+    def handle_batch_str_out(self, msg: BatchStrOut) -> None:
+        """Route each update to its state; unknown rids belong to aborted requests and are dropped."""
+        now = time.monotonic()
+        for i, rid in enumerate(msg.rids):
+            meta = msg.meta_info[i] if i < len(msg.meta_info) else {}
+            state, child = self._find_state(rid, meta)
+            if state is None:
+                continue
+            finish = msg.finished_reasons[i]
+            # A refusal of an n > 1 request before its fan-out arrives under the parent rid.
+            children = range(state.n) if state.n > 1 and rid == state.rid else (child,)
+            for c in children:
+                self._deliver(state, c, msg.texts[i], msg.output_ids[i], finish, meta, now)
+
+    def handle_reply(self, msg: Any) -> None:
+        """Resolve the oldest pending flush_cache / get_load call waiting for this reply type."""
+        if isinstance(msg, BatchStrOut):
+            self.handle_batch_str_out(msg)
+            return
+        waiting = self._pending.get(type(msg))
+        if not waiting:
+            logger.warning("Dropping unexpected %s (no caller is waiting for it).", type(msg).__name__)
+            return
+        future = waiting.popleft()
+        if not future.done():  # a caller that timed out still consumes its own reply
+            future.set_result(msg)
+
+    # ------------------------------------------------------------------ preparing requests
+    async def _prepare(self, item: GenerateReqItem) -> _Prepared:
+        raw = item.sampling_params
+        try:
+            sampling_params = SamplingParams.from_dict(raw)
+            sampling_params.verify(self.vocab_size)
+        except ValueError as exc:
+            raise RequestError(str(exc), 400, code="invalid_request_error", param="sampling_params") from None
+        if item.input_ids is not None:
+            ids = item.input_ids
+            self._check_token_ids(ids, "input_ids")
+        else:
+            ids = await self._tokenize(item.text)
+            if not ids:
+                raise RequestError("The text tokenized to zero tokens: send a non-empty prompt.", 400)
+        if item.token_ids_logprob:
+            self._check_token_ids(item.token_ids_logprob, "token_ids_logprob")
+        explicit_max_new = isinstance(raw, dict) and raw.get("max_new_tokens") is not None
+        ids, meta_extra = self._check_context(ids, sampling_params, explicit_max_new, item.rid)
+        try:
+            sampling_params.normalize(self.tokenizer)
+        except ValueError as exc:
+            raise RequestError(str(exc), 400, code="invalid_request_error", param="sampling_params") from None
+        req = TokenizedGenerateReqInput(
+            rid=item.rid, input_ids=ids, sampling_params=sampling_params, input_text=item.text,
+            return_logprob=item.return_logprob, logprob_start_len=item.logprob_start_len,
+            top_logprobs_num=item.top_logprobs_num, token_ids_logprob=item.token_ids_logprob,
+            stream=item.stream, extra_key=item.extra_key)
+        return _Prepared(req, meta_extra, item)
+
+    def _check_context(self, ids: List[int], sp: SamplingParams, explicit_max_new: bool,
+                       rid: str) -> Tuple[List[int], Dict[str, Any]]:
+        """SGLang's two front-end length checks; with --allow-auto-truncate they trim instead."""
+        C, L = self.context_len, len(ids)
+        meta: Dict[str, Any] = {}
+        auto = bool(getattr(self.server_args, "allow_auto_truncate", False))
+        if L >= C:
+            if not auto:
+                raise RequestError(
+                    f"The input ({L} tokens) is longer than the model's context length ({C} tokens). "
+                    f"Use a shorter input, or start the server with --allow-auto-truncate to keep the "
+                    f"first {C - 1} tokens.", 400, code=CONTEXT_CODE)
+            logger.warning("Request %s: input of %d tokens truncated to %d (context length %d, "
+                           "--allow-auto-truncate).", rid, L, C - 1, C)
+            meta.update(truncated=True, truncated_input_tokens=L)  # what the client sent
+            ids, L = ids[: C - 1], C - 1
+        M = sp.max_new_tokens
+        if explicit_max_new and L + M >= C:
+            if not auto:
+                raise RequestError(
+                    f"Requested token count exceeds the model's maximum context length of {C} tokens. "
+                    f"You requested a total of {L + M} tokens: {L} tokens from the input messages and {M} "
+                    f"tokens for the completion. Please reduce the number of tokens in the input messages or "
+                    f"the completion to fit within the limit.", 400, code=CONTEXT_CODE)
+            sp.max_new_tokens = C - L - 1
+            sp.min_new_tokens = min(sp.min_new_tokens, sp.max_new_tokens)
+            logger.warning("Request %s: max_new_tokens %d clamped to %d (input %d tokens, context length %d, "
+                           "--allow-auto-truncate).", rid, M, sp.max_new_tokens, L, C)
+            meta["max_new_tokens_clamped"] = {"requested": M, "used": sp.max_new_tokens}
+        return ids, meta
+
+    def _check_token_ids(self, ids: List[int], name: str) -> None:
+        V = self.vocab_size
+        for pos, tid in enumerate(ids):
+            if not 0 <= tid < V:
+                raise RequestError(f"{name} contains token id {tid} at position {pos}, outside the vocabulary "
+                                   f"[0, {V}).", 400, code="invalid_request_error", param=name)
+
+    def _check_rids(self, rids: List[str]) -> None:
+        for rid in rids:
+            if rid in self.rid_to_state:
+                raise RequestError(f"Duplicate request id {rid!r}: a request with this rid is still running.",
+                                   400, code="invalid_request_error", param="rid")
+
+    async def _tokenize(self, text: str) -> List[int]:
+        threshold = getattr(self.server_args, "tokenizer_worker_threshold", 4096)
+        if len(text) <= threshold:
+            return _encode(self.tokenizer, text)
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._encode_in_worker, text)
+
+    def _encode_in_worker(self, text: str) -> List[int]:
+        # The worker owns a copy: a Rust tokenizer used from two threads at once can fail "Already borrowed".
+        if self._worker_tokenizer is None:
+            self._worker_tokenizer = copy.deepcopy(self.tokenizer)
+        return _encode(self._worker_tokenizer, text)
+
+    # ------------------------------------------------------------------ state bookkeeping
+    def _register(self, prepared: List[_Prepared], sink: _Sink) -> List[ReqState]:
+        states, base = [], 0
+        for p in prepared:
+            state = ReqState(p.req.rid, p.item, p.req.sampling_params.n, base, sink, p.meta_extra)
+            base += state.n
+            states.append(state)
+        for state, p in zip(states, prepared):
+            self.rid_to_state[state.rid] = state  # before sending: an in-process scheduler may answer at once
+            self.metrics.num_requests += 1
+            self.send(p.req)
+        return states
+
+    def _release(self, states: List[ReqState]) -> None:
+        """Drop the call's states; abort those the scheduler is still working on (consumer gone)."""
+        for state in states:
+            if self.rid_to_state.get(state.rid) is state:
+                del self.rid_to_state[state.rid]
+            if not state.finished:
+                self.send(AbortReq(rid=state.rid))
+                self.metrics.num_aborted += 1
+
+    def _find_state(self, rid: str, meta: Dict[str, Any]) -> Tuple[Optional[ReqState], int]:
+        state = self.rid_to_state.get(rid)
+        if state is not None:
+            return state, 0
+        parent = meta.get("parent_rid")
+        state = self.rid_to_state.get(parent) if parent is not None else None
+        if state is None:
+            return None, 0
+        index = meta.get("index", 0)
+        if not 0 <= index < state.n:
+            logger.warning("Dropping update for %s: child index %s outside n=%d.", rid, index, state.n)
+            return None, 0
+        return state, index
+
+    def _deliver(self, state: ReqState, child: int, text: str, output_ids: List[int],
+                 finish: Optional[Dict[str, Any]], meta: Dict[str, Any], now: float) -> None:
+        if child in state.finished_children:
+            return
+        meta_out = {k: v for k, v in meta.items() if k not in ("parent_rid",)}
+        meta_out.setdefault("id", state.rid if state.n == 1 else f"{state.rid}-{child}")
+        meta_out.update(state.meta_extra)
+        meta_out["finish_reason"] = finish
+        meta_out["e2e_latency"] = now - state.created_time
+        self._add_logprob_texts(state, child, meta_out)
+        out = {"text": text, "output_ids": list(output_ids), "meta_info": meta_out}
+        self._observe(state, child, meta_out.get("completion_tokens", len(output_ids)), now, finish is not None)
+        state.sink.items.append((state.index_base + child, out))
+        state.sink.event.set()
+        if finish is None:
+            return
+        state.finished_children.add(child)
+        m = self.metrics
+        m.num_finished += 1
+        m.num_aborted += finish.get("type") == "abort"
+        m.prompt_tokens += int(meta.get("prompt_tokens", 0))
+        m.generation_tokens += int(meta.get("completion_tokens", len(output_ids)))
+        m.cached_tokens += int(meta.get("cached_tokens", 0))
+        if len(state.finished_children) == state.n:
+            state.finished = True
+            if self.rid_to_state.get(state.rid) is state:
+                del self.rid_to_state[state.rid]
+
+    def _observe(self, state: ReqState, child: int, tokens: int, now: float, finished: bool) -> None:
+        if finished:
+            self.metrics.e2e_latency.observe(now - state.created_time)
+        if not state.item.stream or tokens <= 0:
+            return  # without streaming only the final update arrives: no per-token timing
+        prev_tokens, prev_time = state.progress.get(child, (0, state.created_time))
+        if prev_tokens == 0:
+            self.metrics.time_to_first_token.observe(now - state.created_time)
+        elif tokens > prev_tokens:
+            self.metrics.inter_token_latency.observe((now - prev_time) / (tokens - prev_tokens))
+        if tokens > prev_tokens:
+            state.progress[child] = (tokens, now)
+
+    # ------------------------------------------------------------------ waiting and responses
+    async def _wait(self, states: List[ReqState], sink: _Sink, stream: bool,
+                    flat_single: bool) -> AsyncIterator[Any]:
+        total = sum(state.n for state in states)
+        finals: Dict[int, Dict[str, Any]] = {}
+        while len(finals) < total:
+            while not sink.items:
+                sink.event.clear()
+                await sink.event.wait()
+            index, out = sink.items.popleft()
+            finish = out["meta_info"]["finish_reason"]
+            _raise_if_refused(finish)
+            if finish is not None:
+                finals[index] = out
+            if stream:
+                yield out if flat_single else {**out, "index": index}
+        if not stream:
+            yield finals[0] if flat_single else [finals[i] for i in range(total)]
+
+    async def _request_reply(self, request: Any, reply_type: type) -> Any:
+        future = asyncio.get_running_loop().create_future()
+        self._pending[reply_type].append(future)
+        self.send(request)
+        return await future
+
+    def _add_logprob_texts(self, state: ReqState, child: int, meta: Dict[str, Any]) -> None:
+        """Entries become `[logprob, token_id, text|None]` (text only with return_text_in_logprobs).
+
+        Lists are cumulative across stream updates, so converted entries are cached per child.
+        """
+        with_text = state.item.return_text_in_logprobs
+        for key in ("output_token_logprobs", "input_token_logprobs", "output_top_logprobs", "input_top_logprobs"):
+            entries = meta.get(key)
+            if entries is None:
+                continue
+            cache = state.logprob_cache.setdefault((child, key), [])
+            if len(entries) < len(cache):
+                cache.clear()
+            nested = key.endswith("top_logprobs")
+            for entry in entries[len(cache):]:
+                if nested:
+                    cache.append(None if entry is None else [self._entry(e, with_text) for e in entry])
+                else:
+                    cache.append(self._entry(entry, with_text))
+            meta[key] = list(cache)
+
+    def _entry(self, entry: List[Any], with_text: bool) -> List[Any]:
+        logprob, tid = entry[0], int(entry[1])
+        return [logprob, tid, self._decode_token(tid) if with_text else None]
+
+    def _decode_token(self, tid: int) -> str:
+        text = self._token_text.get(tid)
+        if text is None:
+            text = self.tokenizer.decode([tid])
+            self._token_text[tid] = text
+        return text
+
+
+def _encode(tokenizer: Any, text: str) -> List[int]:
+    # verbose=False: over-long inputs get our own context-length error, not transformers' warning.
+    return list(tokenizer.encode(text, add_special_tokens=True, verbose=False))
+
+
+def _raise_if_refused(finish: Optional[Dict[str, Any]]) -> None:
+    """Scheduler refusals (400, 503, ...) become errors; a client abort (499) is a normal finish."""
+    if not finish or finish.get("type") != "abort":
+        return
+    status = finish.get("status_code")
+    if status is None or status == ABORTED_BY_CLIENT:
+        return
+    message = str(finish.get("message", "Request aborted."))
+    code = CONTEXT_CODE if "exceeds the maximum allowed length" in message else (
+        "invalid_request_error" if 400 <= status < 500 else "service_unavailable")
+    raise RequestError(message, status, code=code)

@@ -1,0 +1,171 @@
+"""Spawn the scheduler and detokenizer processes, wait for their handshake, watch them, stop them.
+
+A child that fails to start or dies later is reported with its own error text (sent over its
+ready pipe), never a generic "initialization failed".
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import tempfile
+import sys
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+from multiprocessing.connection import wait
+from typing import Callable, Dict, Optional
+
+from managers.io_struct import SchedulerReady
+
+logger = logging.getLogger(__name__)
+
+
+class RuntimeProcessError(RuntimeError):
+    """A runtime subprocess failed to start or died; the message is its root cause."""
+
+
+@dataclass
+class PortArgs:
+    tmpdir: str
+    tokenizer_ipc_name: str
+    scheduler_input_ipc_name: str
+    detokenizer_ipc_name: str
+
+    @classmethod
+    def create(cls) -> "PortArgs":
+        tmp = tempfile.mkdtemp(prefix="srt-ipc-")
+        return cls(tmp, f"ipc://{tmp}/tokenizer", f"ipc://{tmp}/scheduler", f"ipc://{tmp}/detokenizer")
+
+
+def _describe_exit(name: str, proc: mp.Process, message: str) -> str:
+    code = proc.exitcode
+    if message:
+        return f"{name} process (pid {proc.pid}) failed: {message}"
+    if code is not None and code < 0:
+        sig = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
+        return f"{name} process (pid {proc.pid}) died unexpectedly (killed by signal {sig})."
+    return f"{name} process (pid {proc.pid}) exited unexpectedly with code {code}."
+
+
+@contextmanager
+def _without_main_reimport():
+    """Children run functions of our own modules and need nothing from `__main__`, but the
+    spawn start method re-runs the parent's main script in each child. That breaks scripts
+    without an `if __name__ == "__main__":` guard (the child would start an engine again) and
+    scripts read from stdin. Hiding the main module's origin while starting avoids both."""
+    main = sys.modules.get("__main__")
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main is not None and k in main.__dict__}
+    try:
+        for k in saved:
+            setattr(main, k, None) if k == "__spec__" else delattr(main, k)
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(main, k, v)
+
+
+class RuntimeProcesses:
+    def __init__(self, server_args):
+        self.server_args = server_args
+        self.port_args = PortArgs.create()
+        self.procs: Dict[str, mp.Process] = {}
+        self.pipes: Dict[str, object] = {}
+        self.scheduler_info: Optional[SchedulerReady] = None
+        self._stopping = False
+        self._watcher: Optional[threading.Thread] = None
+
+    def start(self) -> SchedulerReady:
+        from managers.detokenizer_manager import run_detokenizer_process
+        from managers.scheduler_process import run_scheduler_process
+
+        ctx = mp.get_context("spawn")
+        for name, target in (("Scheduler", run_scheduler_process), ("Detokenizer", run_detokenizer_process)):
+            reader, writer = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=target, args=(self.server_args, self.port_args, writer), name=name, daemon=True)
+            with _without_main_reimport():
+                proc.start()
+            writer.close()
+            self.procs[name], self.pipes[name] = proc, reader
+        try:
+            for name in self.procs:
+                msg = self._wait_ready(name)
+                if name == "Scheduler":
+                    self.scheduler_info = msg
+        except RuntimeProcessError:
+            self.shutdown()
+            raise
+        return self.scheduler_info
+
+    def _wait_ready(self, name: str):
+        proc, pipe = self.procs[name], self.pipes[name]
+        while True:
+            ready = wait([pipe, proc.sentinel], timeout=1.0)
+            if pipe in ready:
+                try:
+                    msg = pipe.recv()
+                except EOFError:
+                    msg = None
+                ok = getattr(msg, "ok", None) if not isinstance(msg, dict) else msg.get("ok")
+                if ok:
+                    return msg
+                error = getattr(msg, "error", None) if not isinstance(msg, dict) else msg.get("error")
+                proc.join(5)
+                raise RuntimeProcessError(_describe_exit(name, proc, error or ""))
+            if proc.sentinel in ready:
+                proc.join(1)
+                raise RuntimeProcessError(_describe_exit(name, proc, ""))
+
+    def watch(self, on_death: Callable[[str], None], interval: float = 0.2) -> None:
+        """Call `on_death(root cause)` once if any child dies while we are not stopping."""
+
+        def run() -> None:
+            sentinels = {p.sentinel: n for n, p in self.procs.items()}
+            while not self._stopping:
+                done = wait(list(sentinels), timeout=interval)
+                if self._stopping or not done:
+                    continue
+                name = sentinels[done[0]]
+                message = ""
+                pipe = self.pipes[name]
+                try:
+                    if pipe.poll(0.5):
+                        msg = pipe.recv()
+                        message = getattr(msg, "error", "") if not isinstance(msg, dict) else msg.get("error", "")
+                except (EOFError, OSError):
+                    pass
+                self.procs[name].join(1)
+                try:
+                    on_death(_describe_exit(name, self.procs[name], message))
+                except Exception:  # never let the watchdog die silently: callers would hang
+                    logger.exception("child-death handler failed")
+                return
+
+        self._watcher = threading.Thread(target=run, name="srt-child-watchdog", daemon=True)
+        self._watcher.start()
+
+    def alive(self) -> bool:
+        return bool(self.procs) and all(p.is_alive() for p in self.procs.values())
+
+    def pids(self) -> Dict[str, int]:
+        return {n: p.pid for n, p in self.procs.items()}
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """SIGTERM, wait, SIGKILL; remove the socket directory. Idempotent."""
+        self._stopping = True
+        for proc in self.procs.values():
+            if proc.is_alive():
+                proc.terminate()
+        for proc in self.procs.values():
+            proc.join(timeout)
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.join(1)
+        for pipe in self.pipes.values():
+            pipe.close()
+        self.procs.clear()
+        self.pipes.clear()
+        shutil.rmtree(self.port_args.tmpdir, ignore_errors=True)

@@ -53,6 +53,11 @@ class Req:
 
         self.output_ids: List[int] = []
         self.fill_ids: List[int] = []
+        # Prompt + outputs as one append-only list behind one RadixKey: its int32 packing is
+        # done once per token, so re-matching a waiting request (every scheduling round, lpm
+        # re-scoring, after a retraction) compares bytes only.
+        self._key_ids: List[int] = list(self.origin_input_ids)
+        self._radix_key = RadixKey(self._key_ids, extra_key)
         # Prefix-cache state (PrefixCacheReq protocol).
         self.req_pool_idx: Optional[int] = None
         self.prefix_indices: torch.Tensor = _EMPTY
@@ -84,6 +89,13 @@ class Req:
         # (which also covers output tokens) must not recompute or re-report them.
         self.input_logprobs_done = False
 
+    def truncate_input(self, n: int) -> None:
+        """Keep the first `n` prompt tokens (--allow-auto-truncate), before any output exists."""
+        self.truncated_input_len = len(self.origin_input_ids)
+        self.origin_input_ids = self.origin_input_ids[:n]
+        self._key_ids = list(self.origin_input_ids)
+        self._radix_key = RadixKey(self._key_ids, self.extra_key)
+
     # ------------------------------------------------------------------ prefix matching
     @property
     def seqlen(self) -> int:
@@ -100,8 +112,11 @@ class Req:
     def init_next_round_input(self, tree_cache) -> None:
         """Match the longest cached prefix of prompt + outputs (not locked yet)."""
         self.fill_ids = self.origin_input_ids + self.output_ids
-        key = RadixKey(self.fill_ids[: self.max_prefix_len()], self.extra_key)
-        match = tree_cache.match_prefix(key)
+        have = len(self._key_ids) - len(self.origin_input_ids)
+        self._key_ids.extend(self.output_ids[have:])
+        cap = self.max_prefix_len()
+        packed = self._radix_key.packed_upto(cap)
+        match = tree_cache.match_prefix(RadixKey.from_packed(packed[: cap * 4], self.extra_key))
         self.prefix_indices, self.last_node = match.device_indices, match.last_node
         self.extend_input_len = len(self.fill_ids) - len(self.prefix_indices)
 

@@ -78,8 +78,7 @@ class AdmissionControl:
                 return (f"Input length ({L} tokens) exceeds the maximum allowed length ({M} tokens). Use a "
                         f"shorter input or enable --allow-auto-truncate. {self.limit_source()}", 400)
             logger.warning("Request %s: input of %d tokens truncated to %d (--allow-auto-truncate).", req.rid, L, M)
-            req.origin_input_ids = req.origin_input_ids[:M]
-            req.truncated_input_len = L
+            req.truncate_input(M)
             L = M
         P = self.s.page_size
         if -(-L // P) * P + P > self.T:

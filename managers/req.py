@@ -81,6 +81,7 @@ class Req:
         self.output_token_logprobs_idx: List[int] = []
         self.output_top_logprobs_val: List[List[float]] = []
         self.output_top_logprobs_idx: List[List[int]] = []
+        self.output_token_ids_logprobs: List[List[float]] = []  # per output token, for token_ids_logprob
         self.input_token_logprobs_val: Optional[List[Optional[float]]] = None
         self.input_token_logprobs_idx: Optional[List[int]] = None
         self.input_top_logprobs_val: Optional[List[List[float]]] = None

@@ -198,9 +198,11 @@ class Scheduler:
             return
         logits = self.runner.forward(fb)
         want_lp = any(r.return_logprob for r in batch.reqs)
+        want_ids = want_lp and any(r.token_ids_logprob for r in batch.reqs)
         sample = self.runner.sample(
             logits, fb, return_logprob=want_lp,
-            top_logprobs_nums=[r.top_logprobs_num if r.return_logprob else 0 for r in batch.reqs] if want_lp else None)
+            top_logprobs_nums=[r.top_logprobs_num if r.return_logprob else 0 for r in batch.reqs] if want_lp else None,
+            token_ids_logprob=[r.token_ids_logprob if r.return_logprob else None for r in batch.reqs] if want_ids else None)
         self.forward_ct += 1
         if is_decode:
             self.decode_ct += 1

@@ -25,6 +25,8 @@ def append_token(req: Req, i: int, token: int, sample: "SampleOutput") -> None:
         vals, ids = sample.top_logprobs[i]
         req.output_top_logprobs_val.append(list(vals))
         req.output_top_logprobs_idx.append(list(ids))
+    if req.token_ids_logprob and sample.token_ids_logprobs is not None:
+        req.output_token_ids_logprobs.append(list(sample.token_ids_logprobs[i]))
 
 
 def accumulate_input_logprobs(reqs: List[Req], logits_output: "LogitsProcessorOutput",
@@ -74,6 +76,9 @@ def meta_info(req: Req) -> Dict[str, Any]:
             meta["output_top_logprobs"] = [
                 [[v, t] for v, t in zip(vs, ts)]
                 for vs, ts in zip(req.output_top_logprobs_val, req.output_top_logprobs_idx)]
+        if req.token_ids_logprob:
+            meta["output_token_ids_logprobs"] = [
+                [[v, t] for v, t in zip(vals, req.token_ids_logprob)] for vals in req.output_token_ids_logprobs]
         if req.input_token_logprobs_val is not None:
             meta["input_token_logprobs"] = [
                 [v, t] for v, t in zip(req.input_token_logprobs_val, req.input_token_logprobs_idx)]

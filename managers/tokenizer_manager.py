@@ -225,6 +225,11 @@ class TokenizerManager:
             sampling_params.verify(self.vocab_size)
         except ValueError as exc:
             raise RequestError(str(exc), 400, code="invalid_request_error", param="sampling_params") from None
+        for name in ("regex", "json_schema", "ebnf"):  # parsed, not implemented: never silently ignored
+            if getattr(sampling_params, name) is not None:
+                raise RequestError(f"sampling_params.{name} is not supported by this server yet (structured output "
+                                   f"is not implemented); remove it.", 400, code="invalid_request_error",
+                                   param=f"sampling_params.{name}")
         if item.input_ids is not None:
             ids = item.input_ids
             self._check_token_ids(ids, "input_ids")
@@ -234,6 +239,10 @@ class TokenizerManager:
                 raise RequestError("The text tokenized to zero tokens: send a non-empty prompt.", 400)
         if item.token_ids_logprob:
             self._check_token_ids(item.token_ids_logprob, "token_ids_logprob")
+        if item.return_logprob and item.logprob_start_len is not None and item.logprob_start_len >= len(ids):
+            raise RequestError(f"logprob_start_len ({item.logprob_start_len}) must be smaller than the input length "
+                               f"({len(ids)} tokens); use -1 for output logprobs only.", 400,
+                               code="invalid_request_error", param="logprob_start_len")
         explicit_max_new = isinstance(raw, dict) and raw.get("max_new_tokens") is not None
         ids, meta_extra = self._check_context(ids, sampling_params, explicit_max_new, item.rid)
         try:

@@ -83,7 +83,7 @@ def main() -> None:
 
     path = get_tiny_model("llama", dtype=args.dtype, **SHAPE)
     engine = Engine(model_path=str(path), dtype=args.dtype, device="cpu", max_total_tokens=200_000,
-                    log_level="WARNING")
+                    log_level="warning")
     hf = None if args.no_hf else AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
     mixes = ["shared-prefix", "random"] if args.mix == "both" else [args.mix]
     print(f"# bench_offline: ~90M Llama ({args.dtype}), {args.num_prompts} prompts, output {args.output_len} "

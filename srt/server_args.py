@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence
 
@@ -16,6 +17,19 @@ DEVICE_CHOICES = ("auto", "cpu", "cuda")
 LOAD_FORMAT_CHOICES = ("auto", "safetensors", "dummy")
 ATTENTION_BACKEND_CHOICES = ("auto", "torch_native", "flashinfer")
 SCHEDULE_POLICY_CHOICES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
+LOG_LEVEL_CHOICES = ("debug", "info", "warning", "error", "critical")
+
+# The embedded default model (package data built by scripts/train_demo_model.py).
+DEMO_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_model")
+DEMO_MODEL_MISSING = ("No --model-path given and the embedded demo model is missing: "
+                      "run scripts/train_demo_model.py")
+
+
+def default_model_path() -> str:
+    """The embedded demo model, or a `ValueError` saying how to build it."""
+    if not os.path.isfile(os.path.join(DEMO_MODEL_DIR, "config.json")):
+        raise ValueError(DEMO_MODEL_MISSING)
+    return DEMO_MODEL_DIR
 
 
 def parse_context_length(value: Any) -> Optional[int]:
@@ -40,7 +54,9 @@ def _opt(default: Any, help: str, choices: Optional[Sequence[str]] = None, **ext
 
 @dataclass
 class ServerArgs:
-    model_path: str = _opt(None, "Path of a Hugging Face format model directory.", required=True)
+    model_path: Optional[str] = _opt(
+        None, "Path of a local Hugging Face format model directory (default: the embedded demo model "
+        "in srt/demo_model/, built by scripts/train_demo_model.py).")
     tokenizer_path: Optional[str] = _opt(None, "Tokenizer directory (default: the model path).")
     dtype: str = _opt("auto", "Weight and activation dtype; auto keeps the checkpoint's.", DTYPE_CHOICES)
     kv_cache_dtype: str = _opt("auto", "KV cache storage dtype; auto = model dtype.", KV_CACHE_DTYPE_CHOICES)
@@ -72,9 +88,26 @@ class ServerArgs:
     served_model_name: Optional[str] = _opt(None, "Model name reported by the API (default: the model path).")
     tokenizer_worker_threshold: int = _opt(
         4096, "Inputs longer than this many characters are tokenized off the event loop.")
+    # HTTP server.
+    host: str = _opt("127.0.0.1", "Address the HTTP server listens on (0.0.0.0 for every interface).")
+    port: int = _opt(30000, "Port the HTTP server listens on.")
+    api_key: Optional[str] = _opt(
+        None, "Require 'Authorization: Bearer <key>' or 'x-api-key: <key>' on every route except /health.")
+    enable_metrics: bool = _opt(False, "Serve Prometheus metrics at /metrics.")
+    log_level: Optional[str] = _opt(None, "Logging level of every process (default: $SRT_LOG_LEVEL or info).",
+                                    LOG_LEVEL_CHOICES)
+    log_requests: bool = _opt(False, "Log every HTTP request: method, path, status, latency and a body preview.")
+    stream_interval: int = _opt(1, "Send a streaming update every this many new tokens (the last one always).")
+    skip_server_warmup: bool = _opt(False, "Skip the warm-up generation before the server reports ready.")
+    watchdog_timeout: float = _opt(
+        300.0, "Seconds the scheduler may go without answering (a stuck forward) before the server aborts "
+        "with a message; 0 disables the watchdog.")
+    max_request_body_mb: float = _opt(32.0, "Largest accepted request body in MiB; bigger bodies get 413.")
 
     def __post_init__(self) -> None:
         self.context_length = parse_context_length(self.context_length)
+        if self.model_path is None:
+            self.model_path = default_model_path()
         if self.tokenizer_path is None:
             self.tokenizer_path = self.model_path
         self.check()
@@ -84,6 +117,8 @@ class ServerArgs:
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             value = getattr(self, f.name)
+            if value is None and f.default is None:
+                continue  # "not set": the documented default applies
             if choices and value not in choices:
                 raise ValueError(
                     f"Invalid --{f.name.replace('_', '-')} {value!r}. Accepted values: {', '.join(choices)}."
@@ -102,6 +137,16 @@ class ServerArgs:
             raise ValueError(f"--max-prefill-tokens must be >= 1, got {self.max_prefill_tokens}.")
         if self.schedule_conservativeness <= 0:
             raise ValueError(f"--schedule-conservativeness must be > 0, got {self.schedule_conservativeness}.")
+        if not 1 <= self.port <= 65535:
+            raise ValueError(f"--port must be in [1, 65535], got {self.port}.")
+        if self.stream_interval < 1:
+            raise ValueError(f"--stream-interval must be >= 1, got {self.stream_interval}.")
+        if self.watchdog_timeout < 0:
+            raise ValueError(f"--watchdog-timeout must be >= 0 seconds (0 disables it), got {self.watchdog_timeout}.")
+        if not self.max_request_body_mb > 0:
+            raise ValueError(f"--max-request-body-mb must be > 0, got {self.max_request_body_mb}.")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("--api-key must not be empty.")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -129,7 +174,13 @@ class ServerArgs:
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
 
-def prepare_server_args(argv: List[str]) -> ServerArgs:
-    parser = argparse.ArgumentParser()
+def make_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog, description="Serve a model over HTTP (native /generate, OpenAI-compatible /v1/*).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ServerArgs.add_cli_args(parser)
-    return ServerArgs.from_cli_args(parser.parse_args(argv))
+    return parser
+
+
+def prepare_server_args(argv: List[str]) -> ServerArgs:
+    return ServerArgs.from_cli_args(make_parser().parse_args(argv))

@@ -120,3 +120,12 @@ def test_flush_cache_and_cached_tokens(engine):
     assert engine.flush_cache().success
     after = engine.generate("A repeated prompt for caching", {"max_new_tokens": 2, "temperature": 0})
     assert after["meta_info"]["cached_tokens"] == 0
+
+
+def test_unimplemented_and_out_of_range_fields_are_refused_not_ignored(engine):
+    from managers.generate_input import RequestError
+
+    with pytest.raises(RequestError, match="sampling_params.regex is not supported"):
+        engine.generate("Hello", {"max_new_tokens": 2, "regex": "[a-z]+"})
+    with pytest.raises(RequestError, match=r"logprob_start_len \(99\) must be smaller than the input length"):
+        engine.generate("Hello", {"max_new_tokens": 2}, return_logprob=True, logprob_start_len=99)

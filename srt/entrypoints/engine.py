@@ -11,23 +11,13 @@ from __future__ import annotations
 import asyncio
 import atexit
 import logging
-import os
 import queue
-import sys
 import threading
 from typing import Any, AsyncIterator, Dict, Iterator, List, Optional, Union
 
-import zmq
-import zmq.asyncio
-
 from managers.generate_input import GenerateReqInput
-from managers.io_struct import BatchStrOut
-from managers.template_manager import TemplateManager
-from managers.tokenizer_manager import TokenizerManager
-from srt.configs.model_config import check_model_dir
-from srt.entrypoints.process_launcher import RuntimeProcesses
+from srt.entrypoints.frontend import RuntimeFrontend
 from srt.server_args import ServerArgs
-from srt.utils.hf_transformers_utils import get_tokenizer
 from srt.utils.logging_utils import configure_logging
 
 logger = logging.getLogger(__name__)
@@ -41,20 +31,20 @@ class EngineDeadError(RuntimeError):
 class Engine:
     def __init__(self, exit_on_child_death: bool = False, log_level: Optional[str] = None, **kwargs: Any):
         configure_logging(log_level)
+        if log_level is not None:
+            kwargs["log_level"] = log_level  # the children configure their logging from the args
         self.server_args = ServerArgs(**kwargs)
-        check_model_dir(self.server_args.model_path)  # fail fast, before any process starts
+        self.frontend = RuntimeFrontend(self.server_args)  # checks the model path before any process starts
         self.exit_on_child_death = exit_on_child_death
         self.dead_reason: Optional[str] = None
         self._closed = False
-        self.procs = RuntimeProcesses(self.server_args)
-        self.scheduler_info = self.procs.start()
+        self.procs = self.frontend.procs
+        self.scheduler_info = self.frontend.start()
         try:
-            tokenizer = get_tokenizer(self.server_args.tokenizer_path, trust_remote_code=self.server_args.trust_remote_code)
-            template = TemplateManager.load(tokenizer, self.server_args.chat_template, self.server_args.model_path)
             self.loop = asyncio.new_event_loop()
             self._thread = threading.Thread(target=self.loop.run_forever, name="srt-engine-loop", daemon=True)
             self._thread.start()
-            self._call(self._setup(tokenizer, template))
+            self.tokenizer_manager = self._call(self.frontend.connect())
         except BaseException:
             self.procs.shutdown()
             raise
@@ -63,24 +53,6 @@ class Engine:
         logger.info("Engine ready: %s", self.get_server_info()["limits"])
 
     # ------------------------------------------------------------------ plumbing
-    async def _setup(self, tokenizer, template) -> None:
-        self._zmq = zmq.asyncio.Context(2)
-        self._to_scheduler = self._zmq.socket(zmq.PUSH)
-        self._to_scheduler.connect(self.procs.port_args.scheduler_input_ipc_name)
-        self._from_detokenizer = self._zmq.socket(zmq.PULL)
-        self._from_detokenizer.bind(self.procs.port_args.tokenizer_ipc_name)
-        self.tokenizer_manager = TokenizerManager(self.server_args, tokenizer, template, self.scheduler_info,
-                                                  self._to_scheduler.send_pyobj)
-        self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop())
-
-    async def _recv_loop(self) -> None:
-        while True:
-            msg = await self._from_detokenizer.recv_pyobj()
-            if isinstance(msg, BatchStrOut):
-                self.tokenizer_manager.handle_batch_str_out(msg)
-            else:
-                self.tokenizer_manager.handle_reply(msg)
-
     def _call(self, coro):
         """Run `coro` on the engine loop and wait for it from any thread."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
@@ -95,16 +67,7 @@ class Engine:
         self.dead_reason = reason
         logger.error("%s", reason)
         if self.exit_on_child_death:
-            # Stop the other children and multiprocessing's resource tracker first, so the
-            # root cause is the last line printed, not their shutdown chatter.
-            self.procs.shutdown(timeout=2)
-            try:
-                from multiprocessing import resource_tracker
-                resource_tracker._resource_tracker._stop()
-            except Exception:
-                pass
-            print(reason, file=sys.stderr, flush=True)
-            os._exit(1)
+            self.frontend.exit_with(reason)
         fail = getattr(self.tokenizer_manager, "fail_all", None)
         if fail is not None:
             self.loop.call_soon_threadsafe(fail, reason)
@@ -219,12 +182,8 @@ class Engine:
         self._closed = True
         self.procs.shutdown()
         if getattr(self, "loop", None) is not None and self.loop.is_running():
-            async def close() -> None:
-                self._recv_task.cancel()
-                self._zmq.destroy(linger=0)
-
             try:
-                self._call(close())
+                self._call(self.frontend.close())
             except Exception:  # the loop may already be closing at interpreter exit
                 pass
             self.loop.call_soon_threadsafe(self.loop.stop)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import os
 
 FORMAT = "[%(asctime)s %(processName)s] %(levelname)s %(name)s: %(message)s"
@@ -20,3 +21,10 @@ def configure_logging(level: str | int | None = None, prefix: str = "") -> None:
         handler.setFormatter(logging.Formatter(fmt, datefmt="%H:%M:%S"))
         root.addHandler(handler)
     root.setLevel(level)
+
+
+def say_fatal(message: str) -> None:
+    """A fatal start-up or child-death message for the terminal: one plain line on stderr,
+    written last, so it is what the user sees (no logging prefix, no traceback)."""
+    sys.stderr.write(f"{message}\n")
+    sys.stderr.flush()

@@ -1,0 +1,167 @@
+"""`POST /v1/chat/completions`: messages -> chat template -> token ids -> generate, answered in
+OpenAI's chat shapes (`n` choices, chat `logprobs` / `top_logprobs`, streaming deltas)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+from aiohttp import web
+
+from managers.generate_input import GenerateReqInput, RequestError
+from srt.entrypoints.openai.common import (
+    GenerationView,
+    PromptTokenizer,
+    chat_logprobs,
+    check_serving,
+    error_response,
+    finish_fields,
+    json_response,
+    new_id,
+    start_generation,
+)
+from srt.entrypoints.openai.protocol import (
+    CHAT_FIELDS,
+    CHAT_UNSUPPORTED,
+    MAX_LOGPROBS,
+    check_fields,
+    check_model,
+    get_bool,
+    get_int,
+    invalid,
+    read_json_body,
+    sampling_params,
+    stream_options,
+)
+from srt.entrypoints.openai.sse import stream_sse
+
+ENDPOINT = "/v1/chat/completions"
+_RESERVED_TEMPLATE_KWARGS = ("messages", "add_generation_prompt", "tokenize", "chat_template", "tools")
+
+
+async def handle_chat(request: web.Request, prompt_tokenizer: PromptTokenizer) -> web.StreamResponse:
+    state = request.app["state"]
+    try:
+        check_serving(state)
+        body = await read_json_body(request)
+        plan = await ChatRequest.from_body(body, state, prompt_tokenizer)
+        updates, first = await start_generation(state.tokenizer_manager, plan.obj)
+    except RequestError as exc:
+        return error_response(exc)
+    if plan.stream:
+        return await stream_sse(request, updates, first, plan.stream_chunks, plan.closing_chunks)
+    await updates.aclose()
+    return json_response(plan.response(first))
+
+
+def _max_tokens(body: Dict[str, Any]) -> Optional[int]:
+    max_tokens = get_int(body, "max_tokens", 1)
+    max_completion = get_int(body, "max_completion_tokens", 1)
+    if max_tokens is not None and max_completion is not None and max_tokens != max_completion:
+        raise invalid(f"max_tokens ({max_tokens}) and max_completion_tokens ({max_completion}) disagree; "
+                      "set only max_completion_tokens.", "max_tokens")
+    return max_completion if max_completion is not None else max_tokens
+
+
+def _template_kwargs(body: Dict[str, Any]) -> Dict[str, Any]:
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise invalid(f"chat_template_kwargs must be an object, got {type(kwargs).__name__}.", "chat_template_kwargs")
+    for key in _RESERVED_TEMPLATE_KWARGS:
+        if key in kwargs:
+            raise invalid(f"chat_template_kwargs may not set '{key}' (the server sets it).", "chat_template_kwargs")
+    return kwargs
+
+
+@dataclass
+class ChatRequest:
+    """A validated chat request and the state needed to answer it."""
+
+    obj: GenerateReqInput
+    view: GenerationView
+    stream: bool
+    include_usage: bool
+    logprobs: bool
+    top_logprobs: int
+    roles_sent: bool = False
+
+    @classmethod
+    async def from_body(cls, body: Dict[str, Any], state: Any, prompt_tokenizer: PromptTokenizer) -> "ChatRequest":
+        check_fields(body, CHAT_FIELDS, CHAT_UNSUPPORTED, ENDPOINT)
+        check_model(body, state.model_name, getattr(state.server_args, "model_path", None))
+        stream = get_bool(body, "stream")
+        include_usage = stream_options(body, stream)
+        logprobs = get_bool(body, "logprobs")
+        top = get_int(body, "top_logprobs", 0, MAX_LOGPROBS) or 0
+        if top and not logprobs:
+            raise invalid("top_logprobs requires logprobs: true.", "top_logprobs")
+        limit = _max_tokens(body)
+        if body.get("messages") is None:
+            raise invalid("messages is required: a non-empty list of {role, content} objects.", "messages")
+        kwargs = _template_kwargs(body)
+        params = sampling_params(body, limit)  # validate sampling fields before tokenizing
+        tm = state.tokenizer_manager
+        prompt = tm.chat_to_prompt(body["messages"], add_generation_prompt=True, **kwargs)
+        threshold = getattr(state.server_args, "tokenizer_worker_threshold", 4096)
+        ids = await prompt_tokenizer.encode(tm.tokenizer, prompt, threshold)
+        if not ids:
+            raise invalid("The messages rendered to an empty prompt.", "messages")
+        if limit is None and len(ids) < tm.context_len - 1:
+            params["max_new_tokens"] = tm.context_len - len(ids) - 1  # OpenAI: the rest of the context
+        response_id = new_id("chatcmpl")
+        obj = GenerateReqInput(
+            input_ids=ids, sampling_params=params, rid=response_id, stream=stream, return_logprob=logprobs,
+            top_logprobs_num=top, return_text_in_logprobs=True, cache_salt=body.get("cache_salt"))
+        view = GenerationView(response_id, state.model_name, params.get("n", 1))
+        return cls(obj, view, stream, include_usage, logprobs, top)
+
+    def _envelope(self, obj_type: str, choices: List[Dict[str, Any]]) -> Dict[str, Any]:
+        v = self.view
+        return {"id": v.response_id, "object": obj_type, "created": v.created, "model": v.model, "choices": choices}
+
+    # ------------------------------------------------------------------ non-streaming
+    def response(self, result: Any) -> Dict[str, Any]:
+        outs = sorted(self.view.indexed(result), key=lambda pair: pair[0])
+        choices = []
+        for index, out in outs:
+            meta = out["meta_info"]
+            logprobs = chat_logprobs(meta, 0, 1 << 62, self.top_logprobs) if self.logprobs else None
+            choices.append({"index": index, "message": {"role": "assistant", "content": out["text"]},
+                            "logprobs": logprobs, **finish_fields(meta)})
+        body = self._envelope("chat.completion", choices)
+        body["usage"] = self.view.usage_from({index: out["meta_info"] for index, out in outs})
+        return body
+
+    # ------------------------------------------------------------------ streaming
+    def _chunk(self, choice: Dict[str, Any]) -> Dict[str, Any]:
+        chunk = self._envelope("chat.completion.chunk", [choice])
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def stream_chunks(self, update: Any) -> List[Dict[str, Any]]:
+        chunks = []
+        if not self.roles_sent:
+            self.roles_sent = True
+            for index in range(self.view.n):
+                chunks.append(self._chunk({"index": index, "delta": {"role": "assistant", "content": ""},
+                                           "logprobs": None, "finish_reason": None, "matched_stop": None}))
+        for index, out in self.view.indexed(update):
+            new_text, start, end = self.view.delta(index, out)
+            meta = out["meta_info"]
+            logprobs = chat_logprobs(meta, start, end, self.top_logprobs) if self.logprobs and end > start else None
+            finish = finish_fields(meta)
+            if not (new_text or logprobs or finish["finish_reason"]):
+                continue
+            delta = {"content": new_text} if new_text else {}
+            chunks.append(self._chunk({"index": index, "delta": delta, "logprobs": logprobs, **finish}))
+        return chunks
+
+    def closing_chunks(self) -> List[Dict[str, Any]]:
+        if not self.include_usage:
+            return []
+        chunk = self._envelope("chat.completion.chunk", [])
+        chunk["usage"] = self.view.stream_usage()
+        return [chunk]

@@ -14,12 +14,18 @@ has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>
 
 if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
   echo "[setup] installing torch"
-  # 1) a local wheel (these machines keep a CPU build of torch==$TORCH_VERSION on disk);
-  # 2) without a GPU, PyTorch's CPU index; 3) plain torch (CUDA build where a GPU exists).
-  $PIP install -q --no-index "torch==$TORCH_VERSION" 2>/dev/null \
-    || { ! has_gpu && $PIP install -q torch --index-url https://download.pytorch.org/whl/cpu; } \
-    || $PIP install -q "torch==$TORCH_VERSION" \
-    || $PIP install -q torch
+  if $PIP install -q --dry-run --no-index --no-deps "torch==$TORCH_VERSION" >/dev/null 2>&1; then
+    # A local wheel is configured (these machines keep a CPU build on disk): pip prefers its
+    # "+cpu" version; the dependencies come from the package index.
+    $PIP install -q "torch==$TORCH_VERSION"
+  elif ! has_gpu; then
+    # Never a multi-GB CUDA build where no GPU exists: PyTorch's CPU index first.
+    $PIP install -q "torch==$TORCH_VERSION" --index-url https://download.pytorch.org/whl/cpu \
+        --extra-index-url https://pypi.org/simple \
+      || $PIP install -q torch --index-url https://download.pytorch.org/whl/cpu --extra-index-url https://pypi.org/simple
+  else
+    $PIP install -q "torch==$TORCH_VERSION" || $PIP install -q torch
+  fi
 fi
 
 stamp=".venv/.installed-$(cat pyproject.toml | sha1sum | cut -c1-12)-$EXTRAS"

@@ -68,7 +68,7 @@ print_examples() {
   curl -s $URL/generate -H 'Content-Type: application/json' \\
     -d '{"text": "The license", "sampling_params": {"max_new_tokens": 40, "temperature": 0}}'
   curl -s $URL/v1/chat/completions -H 'Content-Type: application/json' \\
-    -d '{"model": "default", "messages": [{"role": "user", "content": "Tell me about the GPL-3 license."}], "max_tokens": 60}'
+    -d '{"messages": [{"role": "user", "content": "Tell me about the GPL-3 license."}], "max_tokens": 60}'
 EOF
 }
 

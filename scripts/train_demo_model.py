@@ -153,7 +153,9 @@ def build_model(cfg: DemoConfig, tokenizer):
     ids = {tok: tokenizer.token_to_id(tok) for tok in mtm.SPECIAL_TOKENS}
     config = mtm.make_config("llama", params, ids)
     torch.manual_seed(cfg.seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # A copy: from_config records the float32 training dtype on the config it is given, and the
+    # saved config.json must name the checkpoint's dtype (--dtype auto serves with it).
+    model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32)
     return model, config
 
 
@@ -263,6 +265,9 @@ def save_model(out: Path, tokenizer, config, state: dict, cfg: DemoConfig) -> No
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
         _write_folder(work, tokenizer, config, state, cfg)
+        work.chmod(0o755)  # mkdtemp makes it private; this folder ships as package data
+        for f in work.iterdir():
+            f.chmod(0o644)
         if out.exists():
             shutil.rmtree(out)
         work.rename(out)
@@ -290,15 +295,17 @@ def write_report(path: Path, cfg: DemoConfig, n_params: int, curve: list[dict], 
         f"| {r['step']} | {r['tokens'] / 1e6:.2f} | {r['seconds']:.0f} | {r['cpu']:.0f} | {r['lr']:.2e} | {r['train']:.3f} | {r['heldout']:.3f} |"
         for r in curve
     )
-    early = [r for r in curve if r["seconds"] <= 180]
-    three_minutes = (f"After 3 minutes (step {early[-1]['step']}) held-out loss was {early[-1]['heldout']:.3f} and "
-                     "still falling, which is why the default run is longer." if early and early[-1] is not curve[-1] else "")
+    early = [r for r in curve if r["cpu"] <= 180]
+    three_minutes = (f"After 3 CPU-minutes (step {early[-1]['step']}) held-out loss was {early[-1]['heldout']:.3f} "
+                     "and still falling fast, which is why the default run is longer."
+                     if early and early[-1] is not curve[-1] else "")
     recipe = ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg).items())
     path.write_text(f"""# The embedded demo model
 
 `srt/demo_model/` is what `launch_server` serves when no `--model-path` is given: a
 {n_params / 1e6:.2f}M-parameter Llama-architecture chat model trained by
-`scripts/train_demo_model.py` on one CPU thread in {facts['seconds'] / 60:.1f} minutes on text every machine
+`scripts/train_demo_model.py` on one CPU thread in {curve[-1]['cpu'] / 60:.1f} CPU-minutes
+({facts['seconds'] / 60:.1f} minutes wall clock on a shared machine) on text every machine
 here carries (`/usr/share/common-licenses/*` and CPython's `pydoc_data.topics`, {facts['train_tokens']:,}
 training tokens including ChatML "Tell me about X" pairs; one document in ten, {facts['held_tokens']:,}
 tokens, held out). It is a demo, not a useful model: it writes license- and Python-doc-flavoured

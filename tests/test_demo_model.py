@@ -7,12 +7,16 @@ tokens, its text is mostly words from the training corpus, and `scripts/launch_d
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import json
 import os
 import re
 import socket
 import subprocess
+import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -31,18 +35,32 @@ CHAT_MESSAGES = [{"role": "user", "content": "Tell me about the GPL-3 license."}
 STEPS = 40
 
 
-def corpus_words() -> set[str]:
+def load_trainer() -> ModuleType:
+    """Import scripts/train_demo_model.py by path (registered first: its dataclasses need that)."""
+    name = "train_demo_model"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "scripts" / "train_demo_model.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+@functools.lru_cache(maxsize=1)
+def corpus_words() -> frozenset[str]:
     words: set[str] = set()
     for text in load_builder()._training_texts():
         words.update(w.lower() for w in re.findall(r"[A-Za-z]+", text))
-    return words
+    return frozenset(words)
 
 
-def word_hit_rate(text: str, vocabulary: set[str]) -> tuple[float, int]:
-    """Share of whitespace-separated words (letters only, case-folded) found in `vocabulary`."""
-    words = [re.sub(r"[^a-z]", "", w.lower()) for w in text.split()]
-    words = [w for w in words if w]
-    return (sum(w in vocabulary for w in words) / len(words) if words else 0.0), len(words)
+def word_hit_rate(text: str, vocabulary: frozenset[str]) -> tuple[float, int]:
+    """(share, count) of whitespace-separated words with letters whose letter runs are all in
+    `vocabulary` (case-folded): "non-free," counts if both "non" and "free" are corpus words."""
+    words = [re.findall(r"[a-z]+", w.lower()) for w in text.split()]
+    words = [runs for runs in words if runs]
+    hits = sum(all(r in vocabulary for r in runs) for runs in words)
+    return (hits / len(words) if words else 0.0), len(words)
 
 
 def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
@@ -115,11 +133,7 @@ def test_chat_reply_is_mostly_corpus_words(tokenizer, runtime_greedy) -> None:
 
 
 def test_trainer_renders_chat_exactly_as_the_committed_template(tokenizer) -> None:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("train_demo_model", REPO_ROOT / "scripts" / "train_demo_model.py")
-    trainer = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(trainer)
+    trainer = load_trainer()
     messages = CHAT_MESSAGES + [{"role": "assistant", "content": "It is a license.\n\nTwo paragraphs."}]
     assert trainer.render_chat(messages) == tokenizer.apply_chat_template(messages, tokenize=False)
     assert (DEMO / "chat_template.jinja").read_text().strip() == tokenizer.chat_template.strip()
@@ -149,5 +163,8 @@ def test_launch_demo_script_serves_one_request_and_exits() -> None:
     done = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "launch_demo.sh")], cwd=REPO_ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    replies = [line for line in done.stdout.splitlines() if line.startswith("[demo] reply: The license")]
-    assert replies and len(replies[0]) > len("[demo] reply: The license") + 10, done.stdout[-2000:]
+    marker = "[demo] reply: The license"
+    assert marker in done.stdout, done.stdout[-2000:]
+    reply = done.stdout.split(marker, 1)[1]
+    rate, n = word_hit_rate(reply, corpus_words())
+    assert n >= 5 and rate > 0.6, f"{n} words, {rate:.0%} from the corpus: {reply!r}"

@@ -132,7 +132,7 @@ def flashinfer_backend(layout, layer, dtype, workspace_bytes=128 * 1024 * 1024):
     return FlashInferAttnBackend(runner, workspace_bytes=workspace_bytes)
 
 
-def compare_with_torch_native(page_size, q_heads, kv_heads, dtype, store_dtype=None, scaling=None,
+def assert_close_to_torch_native(page_size, q_heads, kv_heads, dtype, store_dtype=None, scaling=None,
                               atol=None, device="cuda", workspace_bytes=128 * 1024 * 1024):
     """Run an extend and a few decodes through both backends; return the FlashInfer backend."""
     seed = random.Random(f"{page_size}-{q_heads}-{kv_heads}-{dtype}").randint(0, 1 << 16)
@@ -170,7 +170,7 @@ def test_module_imports_without_flashinfer_and_construction_says_so(monkeypatch)
 @pytest.mark.parametrize("q_heads,kv_heads", [(4, 4), (8, 2)])
 def test_wiring_matches_torch_native_with_stand_in_flashinfer(fake_flashinfer, page_size,
                                                                q_heads, kv_heads):
-    backend = compare_with_torch_native(page_size, q_heads, kv_heads, torch.bfloat16, device="cpu",
+    backend = assert_close_to_torch_native(page_size, q_heads, kv_heads, torch.bfloat16, device="cpu",
                                         workspace_bytes=1024)
     assert backend.prefill_wrapper.num_plans == 1, "one plan per extend step"
     assert backend.decode_wrapper.num_plans == DECODE_STEPS, "one plan per decode step"
@@ -178,7 +178,7 @@ def test_wiring_matches_torch_native_with_stand_in_flashinfer(fake_flashinfer, p
 
 
 def test_custom_layer_scaling_replans_once_then_sticks(fake_flashinfer):
-    backend = compare_with_torch_native(4, 8, 2, torch.bfloat16, scaling=0.02, device="cpu",
+    backend = assert_close_to_torch_native(4, 8, 2, torch.bfloat16, scaling=0.02, device="cpu",
                                         workspace_bytes=1024)
     assert backend.sm_scale == 0.02
     assert backend.prefill_wrapper.num_plans == 2  # default scale, then the layer's
@@ -186,7 +186,7 @@ def test_custom_layer_scaling_replans_once_then_sticks(fake_flashinfer):
 
 
 def test_fp8_kv_is_passed_as_fp8_with_kv_data_type(fake_flashinfer):
-    backend = compare_with_torch_native(4, 8, 2, torch.bfloat16, store_dtype=torch.float8_e4m3fn,
+    backend = assert_close_to_torch_native(4, 8, 2, torch.bfloat16, store_dtype=torch.float8_e4m3fn,
                                         device="cpu", workspace_bytes=1024, atol=3e-2)
     assert backend.kv_data_type == torch.float8_e4m3fn
 
@@ -206,19 +206,19 @@ def test_float32_model_is_refused_with_the_flags_that_fix_it(fake_flashinfer):
 @pytest.mark.parametrize("q_heads,kv_heads", [(4, 4), (8, 2)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_flashinfer_matches_torch_native(flashinfer, page_size, q_heads, kv_heads, dtype):
-    compare_with_torch_native(page_size, q_heads, kv_heads, dtype)
+    assert_close_to_torch_native(page_size, q_heads, kv_heads, dtype)
 
 
 @pytest.mark.gpu
 @requires_cuda
 def test_flashinfer_reads_fp8_kv_like_torch_native(flashinfer):
-    compare_with_torch_native(16, 8, 2, torch.bfloat16, store_dtype=torch.float8_e4m3fn, atol=3e-2)
+    assert_close_to_torch_native(16, 8, 2, torch.bfloat16, store_dtype=torch.float8_e4m3fn, atol=3e-2)
 
 
 @pytest.mark.gpu
 @requires_cuda
 def test_flashinfer_replans_for_a_layer_scaling_other_than_head_dim(flashinfer):
-    compare_with_torch_native(4, 8, 2, torch.bfloat16, scaling=0.02)
+    assert_close_to_torch_native(4, 8, 2, torch.bfloat16, scaling=0.02)
 
 
 @pytest.mark.gpu

@@ -96,9 +96,10 @@ class TinyModelParams:
     init_std: float = 0.08  # larger than HF's 0.02 so greedy decoding has clear winners
 
 
-def _training_texts() -> list[str]:
-    """Text present on every machine we run on, in a fixed order (training is order-sensitive)."""
-    texts: list[str] = []
+def corpus_sources() -> list[tuple[str, str]]:
+    """(name, text) of the text present on every machine we run on, in a fixed order (training
+    is order-sensitive): the license files (each real file once), then CPython's pydoc topics."""
+    out: list[tuple[str, str]] = []
     licenses = Path("/usr/share/common-licenses")
     if licenses.is_dir():
         seen: set[Path] = set()
@@ -106,11 +107,15 @@ def _training_texts() -> list[str]:
             real = path.resolve()
             if real.is_file() and real not in seen:
                 seen.add(real)
-                texts.append(real.read_text(encoding="utf-8", errors="replace"))
+                out.append((f"license:{real.name}", real.read_text(encoding="utf-8", errors="replace")))
     from pydoc_data.topics import topics
 
-    texts.extend(topics[name] for name in sorted(topics))
-    return texts
+    out.extend((f"topic:{name}", topics[name]) for name in sorted(topics))
+    return out
+
+
+def _training_texts() -> list[str]:
+    return [text for _, text in corpus_sources()]
 
 
 def train_tokenizer(arch: str, vocab: int) -> Tokenizer:

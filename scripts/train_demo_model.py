@@ -77,19 +77,13 @@ class Document:
 def corpus_documents() -> list[Document]:
     """make_tiny_model's corpus with a title per document, same order, exact duplicates dropped."""
     docs: list[Document] = []
-    licenses = Path("/usr/share/common-licenses")
-    if licenses.is_dir():
-        seen: set[Path] = set()
-        for path in sorted(licenses.iterdir()):
-            real = path.resolve()
-            if real.is_file() and real not in seen:
-                seen.add(real)
-                docs.append(Document(f"the {real.name} license", real.read_text(encoding="utf-8", errors="replace")))
-    from pydoc_data.topics import topics
-
-    for name in sorted(topics):
-        first = topics[name].strip().split("\n", 1)[0].strip()
-        docs.append(Document(first if 0 < len(first) <= 60 else name, topics[name]))
+    for source, text in mtm.corpus_sources():
+        kind, name = source.split(":", 1)
+        if kind == "license":
+            docs.append(Document(f"the {name} license", text))
+        else:
+            first = text.strip().split("\n", 1)[0].strip()
+            docs.append(Document(first if 0 < len(first) <= 60 else name, text))
     unique: dict[str, Document] = {}
     for doc in docs:
         unique.setdefault(doc.text, doc)

@@ -104,3 +104,4 @@ class SchedulerReady:
     max_running_requests: int = 0
     context_len: int = 0
     vocab_size: int = 0
+    kv_budget: Dict[str, Any] = field(default_factory=dict)  # KVBudget.to_dict(): the start-up arithmetic

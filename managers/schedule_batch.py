@@ -69,7 +69,7 @@ class ScheduleBatch:
             rows = self.req_to_token_pool.alloc(len(new))
             if rows is None:
                 raise KVAllocError(f"alloc_req_slots runs out of memory: {len(new)} request slots needed, "
-                                   f"{self.req_to_token_pool.available_size()} free")
+                                   f"{self.req_to_token_pool.available_size()} of {self.req_to_token_pool.size} free")
             for req, row in zip(new, rows):
                 req.req_pool_idx = row
                 self.req_to_token_pool.write(row, 0, req.prefix_indices)

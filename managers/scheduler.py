@@ -164,7 +164,7 @@ class Scheduler:
             self._after_retract(retracted)
             if not fits:  # a single request that cannot get a slot even alone
                 req = batch.reqs[0]
-                self._abort_running(req, "Decode out of memory: " + self._kv_numbers(req))
+                self._abort_running(req, "Decode out of memory. Try to lower your batch size: " + self._kv_numbers(req))
                 batch.reqs = []
         else:
             self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
@@ -185,8 +185,9 @@ class Scheduler:
         alloc = self.runner.token_to_kv_pool_allocator
         return (f"request {req.rid} holds {req.kv_allocated_len} tokens and needs one more; the KV pool has "
                 f"{self.max_total_num_tokens} tokens ({alloc.available_size()} free, "
-                f"{self.tree_cache.evictable_size()} evictable). Try to lower --max-running-requests or raise "
-                f"--mem-fraction-static / --max-total-tokens.")
+                f"{self.tree_cache.evictable_size()} evictable). Lower --max-running-requests, raise "
+                f"--schedule-conservativeness, or give the pool more room (--mem-fraction-static, "
+                f"--max-total-tokens, --kv-cache-dtype fp8_e4m3).")
 
     # ------------------------------------------------------------------ forward + results
     def run_batch(self, batch: ScheduleBatch) -> None:
@@ -262,7 +263,10 @@ class Scheduler:
         if "alloc_req_slots" in detail:
             message = f"{detail}. Try to lower --max-running-requests."
         else:
-            message = f"{kind} out of memory. Try to lower your batch size: {detail}."
+            message = (f"{kind} out of memory. Try to lower your batch size: {detail}; the KV pool has "
+                       f"{self.max_total_num_tokens} tokens. Lower --max-running-requests, raise "
+                       f"--schedule-conservativeness, or give the pool more room (--mem-fraction-static, "
+                       f"--max-total-tokens).")
         logger.error("%s", message)
         for req in batch.reqs:
             if req is self.chunked_req:

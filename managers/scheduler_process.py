@@ -42,6 +42,14 @@ class ZmqChannels:
         self.push.send_pyobj(msg)
 
 
+def describe_startup_error(e: BaseException) -> str:
+    """Our own start-up errors (`ValueError` and subclasses: bad path, memory arithmetic, flags) are
+    sentences meant for the user and are sent as they are; anything else keeps its type name."""
+    if isinstance(e, ValueError) and str(e):
+        return str(e)
+    return f"{type(e).__name__}: {e}"
+
+
 def run_scheduler_process(server_args, port_args, ready_writer) -> None:
     """Report `SchedulerReady` (numbers or the root-cause error) on `ready_writer`, then serve
     until SIGTERM. A crash later is reported on the same pipe before the process exits."""
@@ -56,13 +64,14 @@ def run_scheduler_process(server_args, port_args, ready_writer) -> None:
         scheduler, channels = _build(server_args, port_args)
     except Exception as e:  # root cause, not a generic "initialization failed"
         logger.debug("scheduler start-up failed", exc_info=True)
-        ready_writer.send(SchedulerReady(False, error=f"{type(e).__name__}: {e}"))
+        ready_writer.send(SchedulerReady(False, error=describe_startup_error(e)))
         sys.exit(1)
     runner = scheduler.runner
     ready_writer.send(SchedulerReady(
         True, max_total_num_tokens=runner.max_total_num_tokens, max_req_input_len=runner.max_req_input_len,
         max_req_len=runner.max_req_len, max_running_requests=runner.max_running_requests,
-        context_len=runner.model_config.context_len, vocab_size=runner.model_config.vocab_size))
+        context_len=runner.model_config.context_len, vocab_size=runner.model_config.vocab_size,
+        kv_budget=runner.kv_budget.to_dict()))
     try:
         while not stop["flag"]:
             channels.block_ms = 20 if scheduler.is_idle() else 0

@@ -172,6 +172,7 @@ class Engine:
                 "max_total_num_tokens": info.max_total_num_tokens, "max_req_input_len": info.max_req_input_len,
                 "max_running_requests": info.max_running_requests, "context_length": info.context_len,
             },
+            "kv_budget": info.kv_budget,
             "pids": self.procs.pids(),
         }
 

@@ -308,7 +308,7 @@ async def get_server_info(request: web.Request) -> web.Response:
         max_total_num_tokens=info.max_total_num_tokens, max_req_input_len=info.max_req_input_len,
         max_req_len=info.max_req_len, max_running_requests=info.max_running_requests,
         context_length=info.context_len, max_model_len=state.max_model_len, vocab_size=info.vocab_size,
-        served_model_name=state.model_name, version=version(), ready=state.ready,
+        kv_budget=info.kv_budget, served_model_name=state.model_name, version=version(), ready=state.ready,
         uptime_s=time.time() - state.started_time, num_front_end_requests=len(tm.rid_to_state),
         pids=state.processes.pids() if state.processes is not None else {}, load=await _load(state))
     return json_response(body)

@@ -43,8 +43,8 @@ class PortArgs:
 
 def _describe_exit(name: str, proc: mp.Process, message: str) -> str:
     code = proc.exitcode
-    if message:
-        return f"{name} process (pid {proc.pid}) failed: {message}"
+    if message:  # the child's own error first, so the searchable sentence starts the line
+        return f"{message} [{name} process, pid {proc.pid}]"
     if code is not None and code < 0:
         sig = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
         return f"{name} process (pid {proc.pid}) died unexpectedly (killed by signal {sig})."

@@ -7,6 +7,7 @@ turn it into T KV slots, the request-slot count and the per-request length limit
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -99,6 +100,13 @@ class KVBudget:
     rest_bytes: Optional[int] = None
     warnings: Tuple[str, ...] = ()
 
+    def to_dict(self) -> dict:
+        """The arithmetic as plain numbers and texts (for `/get_server_info` and `check_config`)."""
+        out = dataclasses.asdict(self)
+        out["warnings"] = list(self.warnings)
+        out["kv_bytes"] = self.kv_bytes
+        return out
+
     @property
     def kv_bytes(self) -> int:
         return self.max_total_num_tokens * self.cell_size
@@ -176,6 +184,7 @@ def compute_kv_budget(
             f"under --mem-fraction-static={mem_fraction_static:g}, one token needs a cell of {cell_size} "
             f"bytes, so the pool holds {t0} tokens" + (f" (capped to {total} by {bound})" if total < t0 else "")
             + f", less than one page of {page_size} tokens (--page-size)."
+            + (f" Raise --max-total-tokens to at least {page_size}." if total < t0 else "")
         )
     if rounded != total:
         bound += f", rounded down to a multiple of page_size {page_size}"

@@ -41,7 +41,7 @@ class PrefillAdder:
         rem_total_tokens = allocator.available_size() + tree_cache.evictable_size()
                            - new_token_ratio * sum(reserved_decode_tokens(r) for r in running_reqs)
                            - what this round admitted
-    An admitted request costs `ceil_page(extend_input_len) + reserved_decode_tokens(req)`. Its
+    An admitted request costs `ceil_page(extend_input_len + reserved_decode_tokens(req))`. Its
     cached prefix is locked on admission, which moves those tokens from evictable to protected;
     since the budget re-reads `evictable_size()`, that drop is accounted for automatically (the fit
     is re-checked after locking, and the lock is undone when it no longer fits).
@@ -120,7 +120,7 @@ class PrefillAdder:
         req.extend_input_len = chunk
         req.fill_ids = req.fill_ids[: prefix_len + chunk]
         self.can_run_list.append(req)
-        self.admitted_tokens += self.ceil_page(extend_len) + reserved_decode_tokens(req)
+        self.admitted_tokens += self.ceil_page(extend_len + reserved_decode_tokens(req))
         self.rem_input_tokens -= chunk
         if self._rem_chunk is not None:
             self._rem_chunk -= chunk
@@ -157,7 +157,9 @@ class PrefillAdder:
             return AddReqResult.OTHER
         prefix_len = len(req.prefix_indices)
         extend_len = req.extend_input_len
-        cost = self.ceil_page(extend_len) + reserved_decode_tokens(req)
+        # Decode tokens fill the prompt's last page first (prefixes are whole pages), so the exact
+        # need is ceil_page(extend + decode); a lone request clamped to max_req_len always fits T.
+        cost = self.ceil_page(extend_len + reserved_decode_tokens(req))
         if cost > self.rem_total_tokens:  # locking can only lower the budget: reject early
             return AddReqResult.NO_TOKEN
         if self.can_run_list and extend_len > self.rem_input_tokens:

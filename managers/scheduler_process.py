@@ -43,9 +43,11 @@ class ZmqChannels:
 
 
 def describe_startup_error(e: BaseException) -> str:
-    """Our own start-up errors (`ValueError` and subclasses: bad path, memory arithmetic, flags) are
-    sentences meant for the user and are sent as they are; anything else keeps its type name."""
-    if isinstance(e, ValueError) and str(e):
+    """Our own start-up errors (bad path, memory arithmetic, flags, tokenizer) are sentences meant
+    for the user and are sent as they are; anything else keeps its type name."""
+    from srt.utils.hf_transformers_utils import TokenizerLoadError
+
+    if isinstance(e, (ValueError, FileNotFoundError, TokenizerLoadError)) and str(e):
         return str(e)
     return f"{type(e).__name__}: {e}"
 

@@ -39,6 +39,9 @@ BUILTIN_TEMPLATES: Dict[str, str] = {
     ),
 }
 MODEL_DIR_TEMPLATE_FILE = "chat_template.jinja"
+# OpenAI content-part types a text-only model cannot take, and what they carry.
+NON_TEXT_PARTS = {"image_url": "images", "input_image": "images", "input_audio": "audio", "audio_url": "audio",
+                  "video_url": "video", "file": "files"}
 NO_TEMPLATE_LOG = "No chat template found, defaulting to 'string' content format"
 
 # A template that looks inside `content` (iterates it, tests its type, reads part fields) takes
@@ -125,6 +128,10 @@ def validate_messages(messages: Any) -> List[Dict[str, Any]]:
             for j, part in enumerate(content):
                 if not isinstance(part, dict) or part.get("type") != "text":
                     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    if kind in NON_TEXT_PARTS:
+                        _bad(f"messages[{i}].content[{j}] is a content part of type {kind!r}, but this model "
+                             f"accepts text only: send text parts {{\"type\": \"text\", \"text\": ...}} (serve a "
+                             f"multimodal model for {NON_TEXT_PARTS[kind]}).")
                     _bad(f"messages[{i}].content[{j}] must be a text part {{\"type\": \"text\", \"text\": ...}}; "
                          f"got {kind!r} (only text content is supported).")
                 if not isinstance(part.get("text"), str):

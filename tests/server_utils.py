@@ -98,15 +98,15 @@ def _arg_value(args: tuple, flag: str) -> Optional[str]:
 
 
 def start_server(model_path: Any, *extra_args: str, timeout: float = START_TIMEOUT_S,
-                 wait_ready: bool = True) -> ServerHandle:
+                 wait_ready: bool = True, env: Optional[Dict[str, str]] = None) -> ServerHandle:
     """Launch a server on a free port with `DEFAULT_ARGS` (later `extra_args` override them) and
-    wait until a real generation succeeds (`/health_generate` 200)."""
+    wait until a real generation succeeds (`/health_generate` 200). `env` adds variables."""
     extra = tuple(str(a) for a in extra_args)
     port = int(_arg_value(extra, "--port") or free_port())
     cmd = [sys.executable, "-m", "srt.launch_server", "--model-path", str(model_path), "--host", "127.0.0.1",
            "--port", str(port), *DEFAULT_ARGS, *extra]
     log = tempfile.NamedTemporaryFile(prefix=f"srt-server-{port}-", suffix=".log", delete=False)
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=server_env(), stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env={**server_env(), **(env or {})}, stdout=log, stderr=subprocess.STDOUT)
     log.close()
     handle = ServerHandle(f"http://127.0.0.1:{port}", proc, _arg_value(extra, "--api-key"), port, Path(log.name))
     if wait_ready:

@@ -1,17 +1,12 @@
-"""Bad requests get a 4xx JSON error naming the problem (never a 500), the server stays healthy,
-and start-up mistakes (port in use, bad flag values, no model) fail fast with one clear line."""
+"""Bad requests get a 4xx JSON error naming the problem (never a 500) and the server stays healthy.
+Start-up mistakes are in tests/error_contract/test_startup_contract.py."""
 
 from __future__ import annotations
-
-import socket
-import subprocess
-import sys
-import time
 
 import pytest
 import requests
 
-from server_utils import REPO_ROOT, free_port, running_server, server_env
+from server_utils import running_server
 
 # The tiny llama: context length C = 2048, vocabulary 1024. The KV pool is capped at T = 1024 so
 # the scheduler's own limit (max_req_input_len = min(C-1, T-1) - 5 = 1018) sits below C.
@@ -116,18 +111,9 @@ CASES = [
      "sampling_params.regex is not supported by this server yet"),
     ("json_schema_not_implemented", "POST", "/generate", hi(json_schema="{}"), 400,
      "sampling_params.json_schema is not supported"),
-    # Lengths: SGLang's texts, the tokenizer manager's two checks and the scheduler's.
-    ("input_at_context_length", "POST", "/generate", {"input_ids": [5] * C}, 400,
-     "The input (2048 tokens) is longer than the model's context length (2048 tokens)."),
+    # Lengths (non-streaming, with the full texts): tests/error_contract/test_request_contract.py.
     ("text_longer_than_context", "POST", "/generate", {"text": "hello " * 3000}, 400,
      "is longer than the model's context length (2048 tokens)."),
-    ("explicit_max_new_tokens_overflow", "POST", "/generate",
-     {"input_ids": [5] * 1000, "sampling_params": {"max_new_tokens": 1048}}, 400,
-     "Requested token count exceeds the model's maximum context length of 2048 tokens. You requested a total "
-     "of 2048 tokens: 1000 tokens from the input messages and 1048 tokens for the completion."),
-    ("input_over_kv_pool_limit", "POST", "/generate", {"input_ids": [5] * 1500}, 400,
-     "Input length (1500 tokens) exceeds the maximum allowed length ({max_req_input_len} tokens). Use a shorter "
-     "input or enable --allow-auto-truncate."),
     # Streaming requests with bad input: a real status, before any SSE byte.
     ("stream_bad_param", "POST", "/generate", {"text": "hi", "stream": True, "sampling_params": {"top_p": 0}}, 400,
      "top_p must be in (0, 1]"),
@@ -172,11 +158,6 @@ def test_bad_request_gets_json_error(server, case, method, path, body, status, t
     assert set(error) == {"message", "type", "param", "code"}
 
 
-def test_context_length_errors_carry_their_code(server):
-    for body in ({"input_ids": [5] * C}, {"input_ids": [5] * 1500}):
-        assert _send(server, "POST", "/generate", body).json()["error"]["code"] == "context_length_exceeded"
-
-
 def test_body_over_the_cap_is_413(server):
     body = b'{"text": "' + b"a" * (2 * 2**20) + b'"}'
     resp = _send(server, "POST", "/generate", body)
@@ -206,40 +187,7 @@ def test_server_is_healthy_after_all_bad_requests(server):
 
 
 # ---------------------------------------------------------------------- start-up mistakes
-def _launch(*args, timeout=30):
-    return subprocess.run([sys.executable, "-m", "srt.launch_server", *args], cwd=REPO_ROOT, env=server_env(),
-                          capture_output=True, text=True, timeout=timeout)
-
-
-def test_port_in_use_is_one_line_before_loading_anything(llama_model):
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        t0 = time.monotonic()
-        done = _launch("--model-path", str(llama_model), "--port", str(port))
-        elapsed = time.monotonic() - t0
-    assert done.returncode == 1
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1, done.stderr
-    assert lines[0].startswith(f"Address already in use: 127.0.0.1:{port} is taken by another process. "
-                               f"Stop it or pass --port <other>")
-    assert elapsed < 10
-
-
-def test_bad_flag_value_lists_the_accepted_ones():
-    done = _launch("--log-level", "verbose", "--port", str(free_port()))
-    assert done.returncode == 2
-    assert "invalid choice: 'verbose'" in done.stderr and "debug" in done.stderr and "critical" in done.stderr
-
-
-def test_missing_model_path_is_one_line(tmp_path):
-    done = _launch("--model-path", str(tmp_path / "nope"), "--port", str(free_port()))
-    assert done.returncode == 1
-    assert done.stderr.strip().splitlines()[-1].endswith("does not exist. --model-path must be a local Hugging "
-                                                        "Face format directory (this runtime never downloads "
-                                                        "from a model hub).")
-    assert "Traceback" not in done.stderr
+# Port in use, bad flag values and a missing model path: tests/error_contract/test_startup_contract.py.
 
 
 def test_no_model_path_uses_the_demo_model_or_says_how_to_build_it(monkeypatch, tmp_path, llama_model):

@@ -230,11 +230,22 @@ def test_decode_reservation_of_a_new_request_is_clipped():
     assert adder.rem_total_tokens == 8000 - 10 - CLIP_MAX_NEW_TOKENS
 
 
-def test_paged_cost_rounds_the_extend_length_up_to_whole_pages():
+def test_paged_cost_is_prompt_plus_decode_rounded_up_to_whole_pages():
     pools = Pools(size=256, page_size=4)
     adder = pools.adder()
+    adder.add_one_req(ready(make_req(fresh(10), max_new=2), pools), False)
+    assert adder.rem_total_tokens == 256 - 12  # the 2 decode tokens fit the prompt's last page
     adder.add_one_req(ready(make_req(fresh(10), max_new=3), pools), False)
-    assert adder.rem_total_tokens == 256 - 12 - 3
+    assert adder.rem_total_tokens == 256 - 12 - 16
+
+
+def test_lone_paged_request_clamped_to_the_pool_is_admitted():
+    """Regression: ceil_page(prompt) + decode overcounted, and a lone request whose prompt + clamped
+    max_new_tokens filled the pool exactly waited forever."""
+    pools = Pools(size=256, page_size=16)
+    adder = pools.adder()
+    assert adder.add_one_req(ready(make_req(fresh(200), max_new=54), pools), False) != AddReqResult.NO_TOKEN
+    assert adder.can_run_list and adder.rem_total_tokens == 0
 
 
 # -- PrefillAdder: locks ----------------------------------------------------------------------

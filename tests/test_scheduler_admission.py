@@ -1,4 +1,4 @@
-"""Admission limits, cached_tokens, abort, n > 1 and the lone-request out-of-memory path."""
+"""Admission limits, cached_tokens, abort and n > 1."""
 
 from __future__ import annotations
 
@@ -115,21 +115,7 @@ def test_n_samples_share_prefix_and_differ(llama_model):
     h.assert_conserved()
 
 
-def test_lone_request_without_kv_is_aborted_and_server_continues(llama_model):
-    h = Harness(llama_model, max_total_tokens=64)
-    p = random_prompts(1000, [30], seed=60)[0]
-    h.submit("big", p, max_new_tokens=30, temperature=0, ignore_eos=True)
-    h.sched.step()  # prefill
-    # Something else holds every free slot: the lone request cannot get its next one.
-    stolen = h.runner.token_to_kv_pool_allocator.alloc(h.runner.token_to_kv_pool_allocator.available_size())
-    assert h.sched.get_next_batch_to_run() is None
-    h.runner.token_to_kv_pool_allocator.free(stolen)
-    h.submit("next", p[:10], max_new_tokens=3, temperature=0, ignore_eos=True)
-    out = h.run()
-    big = out["big"]["finish"]
-    assert big["type"] == "abort" and "Decode out of memory" in big["message"] and "64 tokens" in big["message"]
-    assert out["next"]["finish"]["type"] == "length"
-    h.assert_conserved()
+# The lone request that runs out of KV at decode: tests/error_contract/test_running_contract.py.
 
 
 def test_flush_cache_only_when_idle(llama_model):

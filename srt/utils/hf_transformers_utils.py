@@ -29,11 +29,15 @@ _CUSTOM_CODE_PHRASES = (
 )
 
 
+class TokenizerLoadError(RuntimeError):
+    """The tokenizer cannot be loaded; the message says why and which flag or file fixes it."""
+
+
 def get_tokenizer(path: str, trust_remote_code: bool = False, **kwargs: Any):
     """Load the tokenizer in `path` (a local model or tokenizer directory) without network access.
 
     Raises `FileNotFoundError` when the directory or its tokenizer files are missing, and
-    `RuntimeError` (starting with SGLang's "Failed to load the tokenizer." text and naming
+    `TokenizerLoadError` (a `RuntimeError` starting with SGLang's "Failed to load the tokenizer." text and naming
     `--trust-remote-code` and the original error) when the tokenizer class is unknown or custom.
     """
     _check_local_dir(path)
@@ -45,8 +49,8 @@ def get_tokenizer(path: str, trust_remote_code: bool = False, **kwargs: Any):
             path, trust_remote_code=trust_remote_code, local_files_only=True, **kwargs)
     except (ValueError, OSError, ImportError, KeyError, AttributeError) as exc:
         if any(p in str(exc) for p in _CUSTOM_CODE_PHRASES):
-            raise RuntimeError(f"{TRUST_REMOTE_CODE_HINT} Original error: {type(exc).__name__}: {exc}") from exc
-        raise RuntimeError(f"Failed to load the tokenizer from {path}: {type(exc).__name__}: {exc}") from exc
+            raise TokenizerLoadError(f"{TRUST_REMOTE_CODE_HINT} Original error: {type(exc).__name__}: {exc}") from exc
+        raise TokenizerLoadError(f"Failed to load the tokenizer from {path}: {type(exc).__name__}: {exc}") from exc
     if not getattr(tokenizer, "is_fast", True):
         logger.warning("Using a slow tokenizer (%s); tokenization may be a bottleneck.", type(tokenizer).__name__)
     return tokenizer
@@ -80,7 +84,7 @@ def _check_declared_class(path: str, trust_remote_code: bool) -> None:
         return
     reason = ("it is provided by custom code in the model directory (auto_map)" if config.get("auto_map")
               else "transformers does not define it")
-    raise RuntimeError(
+    raise TokenizerLoadError(
         f"{TRUST_REMOTE_CODE_HINT} Original error: tokenizer_class {name!r} in "
         f"{os.path.join(path, 'tokenizer_config.json')} cannot be loaded: {reason}. "
         f"Upgrade transformers if the class is new, or fix tokenizer_class.")
@@ -103,6 +107,6 @@ def _read_json(path: str) -> dict:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except (OSError, ValueError) as exc:
-        raise RuntimeError(f"Failed to load the tokenizer: cannot read {path}: {exc}") from exc
+        raise TokenizerLoadError(f"Failed to load the tokenizer: cannot read {path}: {exc}") from exc
     return data if isinstance(data, dict) else {}
 

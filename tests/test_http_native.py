@@ -291,7 +291,8 @@ def test_queue_full_is_503(limited):
         time.sleep(0.05)
     refused = limited.post("/generate", json={"text": "Refused", "sampling_params": {"max_new_tokens": 2}})
     assert refused.status_code == 503
-    assert refused.json()["error"]["message"].startswith("The request queue is full.")
+    assert refused.json()["error"]["message"] == ("The request queue is full. 1 requests are waiting "
+                                                  "(--max-queued-requests=1); retry later.")
     limited.post("/abort_request", json={"abort_all": True})
     worker.join(30)
     running.close()

@@ -48,6 +48,14 @@ def parse_context_length(value: Any) -> Optional[int]:
         ) from None
 
 
+def _cli_context_length(value: str) -> Optional[int]:
+    """argparse prints an ArgumentTypeError's own text (a ValueError becomes "invalid ... value")."""
+    try:
+        return parse_context_length(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _opt(default: Any, help: str, choices: Optional[Sequence[str]] = None, **extra: Any):
     return field(default=default, metadata={"help": help, "choices": choices, **extra})
 
@@ -162,7 +170,7 @@ class ServerArgs:
             if meta.get("required"):
                 kwargs["required"] = True
             if f.name == "context_length":
-                kwargs["type"] = parse_context_length
+                kwargs["type"] = _cli_context_length
             elif f.type in ("int", int, "Optional[int]"):
                 kwargs["type"] = int
             elif f.type in ("float", float, "Optional[float]"):

@@ -67,3 +67,9 @@ def find(pattern: str, text: str) -> re.Match:
     m = re.search(pattern, text)
     assert m, f"{pattern!r} not in {text!r}"
     return m
+
+
+def torch_cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from contract_utils import assert_clean_failure, copy_model, find, launch, parse_size
+from contract_utils import assert_clean_failure, copy_model, find, launch, parse_size, torch_cuda_available
 from srt.server_args import ServerArgs
 
 
@@ -112,3 +112,27 @@ def test_child_failing_at_startup_shows_its_own_error_last(llama_model, tmp_path
     line = assert_clean_failure(launch("--model-path", path))
     find(r"^Model architectures \['FooForCausalLM'\] are not supported\. Supported architectures: "
          r"LlamaForCausalLM, .*Qwen3ForCausalLM\. \[Scheduler process, pid \d+\]$", line)
+
+
+RANGES = [
+    ("--mem-fraction-static", "1.5", "--mem-fraction-static must be in (0, 1), got 1.5."),
+    ("--page-size", "0", "--page-size must be >= 1, got 0."),
+    ("--max-running-requests", "0", "--max-running-requests must be >= 1, got 0."),
+    ("--context-length", "16q", "Invalid --context-length '16q': use an integer or a suffix like 16k (16000) or "
+                                "16K (16384)."),
+]
+
+
+@pytest.mark.parametrize("flag,value,expected", RANGES, ids=[r[0] for r in RANGES])
+def test_flag_out_of_range_names_the_flag_value_and_range(llama_model, flag, value, expected):
+    done = launch("--model-path", llama_model, flag, value, timeout=30)
+    if flag == "--context-length":  # parsed by argparse's type= hook: a usage error
+        assert done.returncode == 2 and f"argument --context-length: {expected}" in done.stderr
+        return
+    assert assert_clean_failure(done) == expected
+
+
+@pytest.mark.skipif(torch_cuda_available(), reason="this machine has CUDA: --device cuda is valid here")
+def test_device_cuda_without_cuda_says_what_to_pass(llama_model):
+    line = assert_clean_failure(launch("--model-path", llama_model, "--device", "cuda"))
+    find(r"^--device cuda was given but CUDA is not available \(torch [^)]+\); use --device cpu or auto\.", line)

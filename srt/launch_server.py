@@ -14,6 +14,7 @@ import socket
 import sys
 from typing import List, Optional
 
+from srt.check_config import add_check_args, run_check  # light: its heavy imports wait for a dry run
 from srt.server_args import ServerArgs, make_parser
 from srt.utils.logging_utils import say_fatal
 
@@ -53,7 +54,16 @@ def _free_port_hint(host: str, port: int) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    args = make_parser(prog="launch_server").parse_args(argv)
+    parser = make_parser(prog="launch_server")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="Run the start-up checks and the KV-pool arithmetic without loading weights or "
+                        "starting a server, print them and exit (as python -m srt.check_config).")
+    add_check_args(parser)
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        sys.exit(run_check(args))
+    if args.json or args.target_input_len is not None:
+        _fail("--json and --target-input-len only apply with --dry-run (or python -m srt.check_config).")
     try:
         server_args = ServerArgs.from_cli_args(args)
     except ValueError as exc:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -68,7 +69,8 @@ def start_server(model: Path, args: Tuple[str, ...]) -> ServerHandle:
     return handle
 
 
-def check_then_serve(model: Path, args: Tuple[str, ...], *check_args: str) -> Tuple[subprocess.CompletedProcess, dict, dict]:
+def check_then_serve(model: Path, args: Tuple[str, ...], *check_args: str) -> Tuple[subprocess.CompletedProcess,
+                                                                                   dict, dict]:
     """check_config's JSON, then the `/get_server_info` of a server started with the same flags."""
     done, check = check_json(model, *args, *check_args)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -135,7 +137,7 @@ def test_memory_bound_pool_matches_the_servers_arithmetic(llama_model):
     assert again.to_dict() == server
     assert again.max_total_num_tokens == info["max_total_num_tokens"]
     # Free host memory moves between the two readings, so check_config's pool is close, not equal.
-    assert check["max_total_num_tokens"] == pytest.approx(info["max_total_num_tokens"], rel=0.1)
+    assert check["max_total_num_tokens"] == pytest.approx(info["max_total_num_tokens"], rel=0.05)
 
 
 # --- (c) a start-up that fails ----------------------------------------------------------------------
@@ -154,6 +156,29 @@ def test_failing_start_up_ends_with_the_servers_error(llama_model):
     digits = re.compile(r"\d+(\.\d+)?")
     assert digits.sub("#", re.sub(r" \[Scheduler process, pid \d+\]$", "", theirs)) == digits.sub("#", mine)
     assert "T (max_total_num_tokens)" not in done.stdout  # no pool figures for a pool that is never built
+
+
+def test_bad_context_length_fails_with_the_model_configs_error(llama_model):
+    from srt.configs.model_config import ModelConfig
+
+    with pytest.raises(ValueError) as expected:
+        ModelConfig.load(str(llama_model), "float32", "auto", 4096)
+    done, check = check_json(llama_model, *settings("--context-length", "4096"))
+    assert done.returncode == 1
+    assert last_line(done.stderr) == check["error"] == str(expected.value)
+
+
+def test_unknown_tokenizer_class_fails_with_the_trust_remote_code_hint(llama_model, tmp_path):
+    from srt.utils.hf_transformers_utils import TRUST_REMOTE_CODE_HINT
+
+    model = tmp_path / "model"
+    shutil.copytree(llama_model, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "NoSuchTokenizer"}))
+    done, check = check_json(model, *settings())
+    assert done.returncode == 1
+    assert last_line(done.stderr).startswith(TRUST_REMOTE_CODE_HINT)
+    assert check["max_total_num_tokens"] > 0  # the pool figures come first, as in the server's start-up
 
 
 # --- weights -----------------------------------------------------------------------------------------
@@ -194,7 +219,7 @@ def test_suggested_fraction_is_the_smallest_that_admits_the_prompt(llama_model):
     plan = check["target"]
     fraction = plan["min_mem_fraction_static"]
     assert plan["admitted"] is False
-    assert plan["changes"] == [{"flag": "--mem-fraction-static", "value": f"{fraction:.3f}", "why": plan["changes"][0]["why"]}]
+    assert [(c["flag"], c["value"]) for c in plan["changes"]] == [("--mem-fraction-static", f"{fraction:.3f}")]
     assert f"--mem-fraction-static {fraction:.3f}" in plan["suggestion"]
     assert last_line(done.stderr) == check["error"]  # the start-up error stays the last line
     inputs = SizingInputs(check["pre_bytes"], check["avail_bytes"], fraction, check["cell_size"], 16,
@@ -253,7 +278,7 @@ def test_fp8_kv_cache_is_suggested_when_no_fraction_below_one_fits():
     # 600k tokens x 2048 B exceed all of 1 GiB; with 1-byte elements (1024 B per token) they fit.
     n = 600_000
     inputs = SizingInputs(1 << 30, (1 << 30) - (100 << 20), 0.3, 2048, 1, 1 << 20, None, None, "cpu")
-    plan = plan_target(n, inputs, ContextInfo(1 << 20, "test", lambda c: 100 << 20), 1024, None, "no pool. x")
+    plan = plan_target(n, inputs, ContextInfo(1 << 20, "test", lambda c: 100 << 20), 1024, inputs.budget(), None)
     assert plan["min_mem_fraction_static"] is None
     fraction = plan["fp8_min_mem_fraction_static"]
     assert [(c["flag"], c["value"]) for c in plan["changes"]] == [("--kv-cache-dtype", "fp8_e4m3"),
@@ -265,7 +290,8 @@ def test_fp8_kv_cache_is_suggested_when_no_fraction_below_one_fits():
 
 def test_a_prompt_no_setting_fits_says_so():
     inputs = SizingInputs(1 << 30, (1 << 30) - (100 << 20), 0.3, 2048, 1, 1 << 22, None, None, "cpu")
-    plan = plan_target(2_000_000, inputs, ContextInfo(1 << 22, "test", lambda c: 100 << 20), 1024, None, "x")
+    plan = plan_target(2_000_000, inputs, ContextInfo(1 << 22, "test", lambda c: 100 << 20), 1024, inputs.budget(),
+                       None)
     assert plan["changes"] == [] and plan["admitted"] is False
     assert "No --mem-fraction-static below 1 admits it, not even with --kv-cache-dtype fp8_e4m3" in plan["suggestion"]
 
@@ -276,9 +302,10 @@ def test_table_shows_each_limit_its_bound_and_the_flag_that_raises_it(llama_mode
     done = run_module("srt.check_config", llama_model, *settings(*CAPPED))
     assert done.returncode == 0, done.stderr[-3000:]
     rows = {line.split("  ")[1].strip(): line for line in done.stdout.splitlines() if line.startswith("  ")}
-    assert "3000" in rows["T (max_total_num_tokens)"] and "bound by --max-total-tokens=3000" in rows["T (max_total_num_tokens)"]
+    pool = rows["T (max_total_num_tokens)"]
+    assert "3000" in pool and "bound by --max-total-tokens=3000" in pool
     for flag in ("--mem-fraction-static", "--max-total-tokens", "--kv-cache-dtype fp8_e4m3"):
-        assert flag in rows["T (max_total_num_tokens)"]
+        assert flag in pool
     assert "506 = max_req_len - 5" in rows["max_req_input_len"] and "--context-length" in rows["max_req_input_len"]
     assert "bound by context length 512" in rows["max_req_input_len"]
     assert "511 = min(C - 1, T - 1)" in rows["max_req_len"]
@@ -306,4 +333,5 @@ def test_launch_server_dry_run_prints_the_figures_without_serving(llama_model, c
 def test_launch_server_refuses_check_flags_without_dry_run(llama_model):
     done = run_module("srt.launch_server", llama_model, *settings("--json"), timeout=60)
     assert done.returncode == 1
-    assert last_line(done.stderr) == "--json and --target-input-len only apply with --dry-run (or python -m srt.check_config)."
+    assert last_line(done.stderr) == ("--json and --target-input-len only apply with --dry-run "
+                                      "(or python -m srt.check_config).")

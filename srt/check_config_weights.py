@@ -13,7 +13,8 @@ from typing import List, Optional
 import torch
 
 from srt.configs.model_config import ModelConfig
-from srt.model_loader.loader import _default_dtype
+from srt.model_executor.memory_sizing import module_nbytes
+from srt.model_loader.loader import default_dtype
 from srt.model_loader.weight_utils import list_safetensors_files
 from srt.models.registry import resolve_model_cls
 
@@ -69,9 +70,6 @@ def loaded_model_nbytes(config: ModelConfig, context_len: Optional[int] = None) 
     if context_len is not None and context_len != config.context_len:
         config = dataclasses.replace(config, context_len=context_len)
     model_cls = resolve_model_cls(config.architectures)
-    with _default_dtype(config.dtype), torch.device("meta"):
+    with default_dtype(config.dtype), torch.device("meta"):
         model = model_cls(config)
-    # Meta tensors have no addresses, so `module_nbytes`'s data_ptr de-duplication would merge them all;
-    # parameters() and buffers() already yield each shared tensor (tied embeddings) once.
-    tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    return module_nbytes(model)

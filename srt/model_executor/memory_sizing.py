@@ -357,7 +357,8 @@ def module_nbytes(model: nn.Module) -> int:
     """Bytes of the model's parameters and buffers (shared tensors counted once)."""
     seen, total = set(), 0
     for t in list(model.parameters()) + list(model.buffers()):
-        key = (t.device, t.data_ptr())
+        # Meta tensors (check_config's model) have no storage: identity is the only key.
+        key = ("meta", id(t)) if t.is_meta else (t.device, t.data_ptr())
         if key not in seen:
             seen.add(key)
             total += t.numel() * t.element_size()

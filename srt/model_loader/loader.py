@@ -16,7 +16,7 @@ logger = logging.getLogger(__name__)
 
 
 @contextmanager
-def _default_dtype(dtype: torch.dtype):
+def default_dtype(dtype: torch.dtype):
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -39,7 +39,7 @@ def _dummy_init(model: nn.Module, seed: int) -> None:
 
 def get_model(config: ModelConfig, load_format: str = "auto", device: str = "cpu", seed: int = 0) -> nn.Module:
     model_cls = resolve_model_cls(config.architectures)
-    with _default_dtype(config.dtype), torch.device(device):
+    with default_dtype(config.dtype), torch.device(device):
         model = model_cls(config)
     if load_format == "dummy":
         _dummy_init(model, seed)

@@ -11,6 +11,19 @@ from model_utils import random_prompts
 from scheduler_utils import Harness
 
 
+def victim_abort(h: Harness) -> dict:
+    finish = h.finals()["victim"]["finish"]
+    assert finish["type"] == "abort" and finish["status_code"] == 503
+    return finish
+
+
+def next_is_served(h: Harness, prompt) -> None:
+    """After the abort the same prompt runs to its length, and every slot is accounted for."""
+    h.submit("next", prompt, max_new_tokens=4, temperature=0, ignore_eos=True)
+    assert h.run()["next"]["finish"]["type"] == "length"
+    h.assert_conserved()
+
+
 def test_request_slot_exhaustion_aborts_that_request_and_the_next_is_served(llama_model):
     h = Harness(llama_model, max_total_tokens=512, max_running_requests=4)
     rows = h.runner.req_to_token_pool
@@ -18,14 +31,11 @@ def test_request_slot_exhaustion_aborts_that_request_and_the_next_is_served(llam
     p = random_prompts(1000, [20], seed=70)[0]
     h.submit("victim", p, max_new_tokens=4, temperature=0)
     h.sched.step()
-    finish = h.finals()["victim"]["finish"]
-    assert finish["type"] == "abort" and finish["status_code"] == 503
+    finish = victim_abort(h)
     assert finish["message"] == ("alloc_req_slots runs out of memory: 1 request slots needed, 0 of 4 free. "
                                  "Try to lower --max-running-requests.")
     rows.free(stolen)
-    h.submit("next", p, max_new_tokens=4, temperature=0, ignore_eos=True)
-    assert h.run()["next"]["finish"]["type"] == "length"
-    h.assert_conserved()
+    next_is_served(h, p)
 
 
 def test_kv_exhaustion_at_prefill_aborts_that_batch_and_the_next_is_served(llama_model):
@@ -36,17 +46,14 @@ def test_kv_exhaustion_at_prefill_aborts_that_batch_and_the_next_is_served(llama
     batch = h.sched.get_next_batch_to_run()  # admitted under the budget ...
     stolen = alloc.alloc(alloc.available_size())  # ... then the KV vanishes before the forward
     h.sched.run_batch(batch)
-    finish = h.finals()["victim"]["finish"]
-    assert finish["type"] == "abort" and finish["status_code"] == 503
+    finish = victim_abort(h)
     assert finish["message"].startswith("Prefill out of memory. Try to lower your batch size: need 40 KV slots, "
                                         "0 free after evicting;")
     assert finish["message"].endswith("the KV pool has 128 tokens. Lower --max-running-requests, raise "
                                       "--schedule-conservativeness, or give the pool more room "
                                       "(--mem-fraction-static, --max-total-tokens).")
     alloc.free(stolen)
-    h.submit("next", p, max_new_tokens=4, temperature=0, ignore_eos=True)
-    assert h.run()["next"]["finish"]["type"] == "length"
-    h.assert_conserved()
+    next_is_served(h, p)
 
 
 def test_kv_exhaustion_at_decode_aborts_the_lone_request_and_the_next_is_served(llama_model):

@@ -136,3 +136,18 @@ def test_flag_out_of_range_names_the_flag_value_and_range(llama_model, flag, val
 def test_device_cuda_without_cuda_says_what_to_pass(llama_model):
     line = assert_clean_failure(launch("--model-path", llama_model, "--device", "cuda"))
     find(r"^--device cuda was given but CUDA is not available \(torch [^)]+\); use --device cpu or auto\.", line)
+
+
+def test_engine_start_up_failure_raises_the_childs_error_and_leaves_no_process(llama_model):
+    """The in-process Engine gets the same first sentence as an exception, and stops its children."""
+    import multiprocessing as mp
+
+    from srt.entrypoints.engine import Engine
+
+    before = {p.pid for p in mp.active_children()}
+    with pytest.raises(RuntimeError) as info:
+        Engine(model_path=str(llama_model), device="cpu", dtype="float32", mem_fraction_static=0.000001)
+    assert str(info.value).startswith("Loaded weights leave no host memory for the KV cache under "
+                                      "--mem-fraction-static=1e-06. Raise --mem-fraction-static above ")
+    assert "[Scheduler process, pid " in str(info.value)
+    assert {p.pid for p in mp.active_children() if p.is_alive()} <= before

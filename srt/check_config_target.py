@@ -1,8 +1,9 @@
 """`check_config --target-input-len N`: would the runtime admit an N-token prompt under these flags,
 and if not, the smallest flag change that admits it (found by re-running `compute_kv_budget`).
 
-The runtime's rules: the tokenizer manager refuses `L >= C`; the scheduler refuses
-`L >= max_req_input_len` (`= min(C - 1, T - 1) - 5`) and, with page size P, `ceil(L/P)*P + P > T`.
+The runtime's rules (`managers/scheduler_admission.py`): the tokenizer manager refuses `L >= C`; the
+scheduler refuses `L >= max_req_input_len` (`= min(C - 1, T - 1) - 5`) and, with page size P, a
+prompt whose pages plus one decode token exceed the pool, `ceil((L + 1) / P) * P > T`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def _pages(n: int, page_size: int) -> int:
 
 def tokens_needed(n: int, page_size: int) -> int:
     """The smallest pool T (a page multiple) whose limits admit an n-token prompt."""
-    need = max(n + INPUT_MARGIN, _pages(n, page_size) * page_size + page_size)
+    need = max(n + INPUT_MARGIN, _pages(n + 1, page_size) * page_size)
     return _pages(need, page_size) * page_size
 
 
@@ -39,9 +40,9 @@ def refusal(n: int, budget: KVBudget) -> Optional[str]:
     if n >= M:
         return (f"the scheduler refuses it: {n} >= max_req_input_len={M} = min(C - 1, T - 1) - 5 "
                 f"(bound by {budget.input_bound}).")
-    if _pages(n, P) * P + P > T:
-        return (f"the scheduler refuses it: Request prompt exceeds the KV memory budget ({_pages(n, P)} pages "
-                f"of {P} plus one for decoding > T={T}).")
+    if _pages(n + 1, P) * P > T:
+        return (f"the scheduler refuses it: Request prompt exceeds the KV memory budget ({n} tokens plus one to "
+                f"decode need {_pages(n + 1, P)} pages of {P} tokens > T={T}).")
     return None
 
 

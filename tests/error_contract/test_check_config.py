@@ -88,10 +88,11 @@ def admits(n: int, make_budget) -> bool:
 
 
 def admitted(n: int, budget) -> bool:
-    """The runtime's admission rules, written out here as the oracle: tokenizer manager L < C; scheduler
-    L < max_req_input_len and ceil(L/P)*P + P <= T."""
+    """The runtime's admission rules, written out here: tokenizer manager L < C; scheduler
+    L < max_req_input_len and ceil((L + 1) / P) * P <= T (the real scheduler is the oracle in
+    `test_refusal_agrees_with_the_scheduler_around_the_limits`)."""
     P, T = budget.page_size, budget.max_total_num_tokens
-    return n < budget.context_len and n < budget.max_req_input_len and -(-n // P) * P + P <= T
+    return n < budget.context_len and n < budget.max_req_input_len and -(-(n + 1) // P) * P <= T
 
 
 # --- (a) a capped pool: every figure equal ----------------------------------------------------------
@@ -231,7 +232,7 @@ def test_suggested_fraction_is_the_smallest_that_admits_the_prompt(llama_model):
 
 
 def test_max_total_tokens_cap_below_the_need_names_the_needed_cap(llama_model):
-    # Page size 16: ceil(1500 / 16) * 16 + 16 = 1520 > 1500 + 7, and 1520 is a page multiple.
+    # Page size 16: the pool must hold 1500 + 7 tokens (max_req_input_len > 1500), rounded up to 1520.
     args = settings("--max-total-tokens", "1000", "--page-size", "16", "--target-input-len", "1500")
     done, check = check_json(llama_model, *args)
     assert done.returncode == 1
@@ -266,12 +267,20 @@ def test_tokens_needed_is_the_smallest_pool_that_admits_the_prompt(page_size):
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_refusal_follows_the_runtime_rules_around_the_limits(page_size):
-    budget = SizingInputs(8 << 30, (8 << 30) - (1 << 20), 0.3, 512, page_size, 4096, 1024, None, "cpu").budget()
+def test_refusal_agrees_with_the_scheduler_around_the_limits(llama_model, page_size):
+    """check_config's prediction against the real scheduler: every length around max_req_input_len,
+    submitted one by one, is refused exactly when `refusal` says so."""
+    from scheduler_utils import Harness
+
+    h = Harness(llama_model, max_total_tokens=256, page_size=page_size, context_length=512)
+    budget = h.runner.kv_budget
     M = budget.max_req_input_len
-    for n in range(M - 40, M + 5):
-        assert (refusal(n, budget) is None) == admitted(n, budget), n
+    for n in range(M - 20, M + 3):
+        h.submit(f"n{n}", [5] * n, max_new_tokens=1)
+        finish = h.run()[f"n{n}"]["finish"]
+        assert (refusal(n, budget) is None) == (finish["type"] != "abort"), (n, finish)
     assert "max_req_input_len" in refusal(M, budget)
+    h.assert_conserved()
 
 
 def test_fp8_kv_cache_is_suggested_when_no_fraction_below_one_fits():

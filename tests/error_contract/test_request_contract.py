@@ -39,7 +39,8 @@ def generate(server, n_tokens, **sampling):
 
 def test_limits_are_reported_where_users_look(server):
     info = server.get("/get_server_info").json()
-    assert (info["context_length"], info["max_total_num_tokens"], info["max_req_input_len"]) == (C, T, MAX_REQ_INPUT_LEN)
+    limits = (info["context_length"], info["max_total_num_tokens"], info["max_req_input_len"])
+    assert limits == (C, T, MAX_REQ_INPUT_LEN)
     assert info["kv_budget"]["total_bound"] == f"--max-total-tokens={T}"
     assert info["kv_budget"]["input_bound"] == f"KV pool of T={T} tokens"
     # /v1/models reports the length a request can really use (the vLLM guide's first check).

@@ -15,8 +15,8 @@ DERIVED, REQUESTED = 2048, 4096
 
 @pytest.fixture(scope="module")
 def server(llama_model, tmp_path_factory):
-    path = copy_model(llama_model, tmp_path_factory.mktemp("bare") / "no-template", drop_tokenizer_keys=("chat_template",),
-                      remove=("chat_template.jinja",))
+    path = copy_model(llama_model, tmp_path_factory.mktemp("bare") / "no-template",
+                      drop_tokenizer_keys=("chat_template",), remove=("chat_template.jinja",))
     with running_server(path, "--context-length", str(REQUESTED), "--max-total-tokens", "8192",
                         env={"SRT_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN": "1"}) as handle:
         yield handle

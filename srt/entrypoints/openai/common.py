@@ -10,7 +10,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
+from typing import Any, AsyncIterator, Awaitable, Callable, Dict, List, Optional, Tuple
 
 import orjson
 from aiohttp import web
@@ -18,6 +18,7 @@ from aiohttp import web
 from managers.generate_input import GenerateReqInput, RequestError
 from srt.entrypoints import http_server
 from srt.entrypoints.http_errors import json_error
+from srt.entrypoints.openai.protocol import read_json_body
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,25 @@ async def start_generation(tokenizer_manager: Any, obj: GenerateReqInput) -> Tup
         await updates.aclose()
         raise
     return updates, first
+
+
+async def serve_plan(request: web.Request, build_plan: Callable[[Any, Any], Awaitable[Any]]) -> web.StreamResponse:
+    """One OpenAI endpoint's request: read and check the body, `await build_plan(body, state)`, start
+    the generation, then answer as SSE or one JSON object; `RequestError` becomes its JSON error."""
+    from srt.entrypoints.openai.sse import stream_sse
+
+    state = request.app["state"]
+    try:
+        check_serving(state)
+        body = await read_json_body(request)
+        plan = await build_plan(body, state)
+        updates, first = await start_generation(state.tokenizer_manager, plan.obj)
+    except RequestError as exc:
+        return error_response(exc)
+    if plan.stream:
+        return await stream_sse(request, updates, first, plan.stream_chunks, plan.closing_chunks)
+    await updates.aclose()
+    return json_response(plan.response(first))
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Dict[str, Any]:

@@ -8,17 +8,14 @@ from typing import Any, Dict, List, Optional
 
 from aiohttp import web
 
-from managers.generate_input import GenerateReqInput, RequestError
+from managers.generate_input import GenerateReqInput
 from srt.entrypoints.openai.common import (
     GenerationView,
     PromptTokenizer,
     chat_logprobs,
-    check_serving,
-    error_response,
     finish_fields,
-    json_response,
     new_id,
-    start_generation,
+    serve_plan,
 )
 from srt.entrypoints.openai.protocol import (
     CHAT_FIELDS,
@@ -29,29 +26,16 @@ from srt.entrypoints.openai.protocol import (
     get_bool,
     get_int,
     invalid,
-    read_json_body,
     sampling_params,
     stream_options,
 )
-from srt.entrypoints.openai.sse import stream_sse
 
 ENDPOINT = "/v1/chat/completions"
 _RESERVED_TEMPLATE_KWARGS = ("messages", "add_generation_prompt", "tokenize", "chat_template", "tools")
 
 
 async def handle_chat(request: web.Request, prompt_tokenizer: PromptTokenizer) -> web.StreamResponse:
-    state = request.app["state"]
-    try:
-        check_serving(state)
-        body = await read_json_body(request)
-        plan = await ChatRequest.from_body(body, state, prompt_tokenizer)
-        updates, first = await start_generation(state.tokenizer_manager, plan.obj)
-    except RequestError as exc:
-        return error_response(exc)
-    if plan.stream:
-        return await stream_sse(request, updates, first, plan.stream_chunks, plan.closing_chunks)
-    await updates.aclose()
-    return json_response(plan.response(first))
+    return await serve_plan(request, lambda body, state: ChatRequest.from_body(body, state, prompt_tokenizer))
 
 
 def _max_tokens(body: Dict[str, Any]) -> Optional[int]:

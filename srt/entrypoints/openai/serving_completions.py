@@ -8,16 +8,13 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from aiohttp import web
 
-from managers.generate_input import GenerateReqInput, RequestError
+from managers.generate_input import GenerateReqInput
 from srt.entrypoints.openai.common import (
     GenerationView,
     LegacyLogprobs,
-    check_serving,
-    error_response,
     finish_fields,
-    json_response,
     new_id,
-    start_generation,
+    serve_plan,
 )
 from srt.entrypoints.openai.protocol import (
     COMPLETION_FIELDS,
@@ -28,11 +25,9 @@ from srt.entrypoints.openai.protocol import (
     get_bool,
     get_int,
     invalid,
-    read_json_body,
     sampling_params,
     stream_options,
 )
-from srt.entrypoints.openai.sse import stream_sse
 
 ENDPOINT = "/v1/completions"
 DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for completions
@@ -40,18 +35,10 @@ _ALL = 1 << 62
 
 
 async def handle_completions(request: web.Request) -> web.StreamResponse:
-    state = request.app["state"]
-    try:
-        check_serving(state)
-        body = await read_json_body(request)
-        plan = CompletionRequest.from_body(body, state)
-        updates, first = await start_generation(state.tokenizer_manager, plan.obj)
-    except RequestError as exc:
-        return error_response(exc)
-    if plan.stream:
-        return await stream_sse(request, updates, first, plan.stream_chunks, plan.closing_chunks)
-    await updates.aclose()
-    return json_response(plan.response(first))
+    async def build(body: Dict[str, Any], state: Any) -> "CompletionRequest":
+        return CompletionRequest.from_body(body, state)
+
+    return await serve_plan(request, build)
 
 
 def _prompts(value: Any) -> Tuple[Optional[Any], Optional[Any], int]:

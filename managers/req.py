@@ -19,7 +19,7 @@ from managers.finish_reason import (
 from mem_cache.radix_tree_node import RadixKey
 from srt.sampling.sampling_params import SamplingParams
 
-_EMPTY = torch.empty(0, dtype=torch.int64)
+_EMPTY = torch.empty(0, dtype=torch.int64, device="cpu")  # replaced by a device tensor on admission
 
 
 class Req:

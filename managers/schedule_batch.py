@@ -15,6 +15,7 @@ import torch
 from managers.req import Req
 from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from srt.sampling.sampling_batch_info import SamplingBatchInfo
+from srt.utils.device_utils import host_to_device
 
 logger = logging.getLogger(__name__)
 
@@ -73,10 +74,9 @@ class ScheduleBatch:
             for req, row in zip(new, rows):
                 req.req_pool_idx = row
                 self.req_to_token_pool.write(row, 0, req.prefix_indices)
-        table = self.req_to_token_pool.req_to_token
         prefix_lens = [len(r.prefix_indices) for r in self.reqs]
         seq_lens = [len(r.fill_ids) for r in self.reqs]
-        last_loc = [int(table[r.req_pool_idx, p - 1]) if p else 0 for r, p in zip(self.reqs, prefix_lens)]
+        last_loc = self._last_loc([r.req_pool_idx for r in self.reqs], prefix_lens)
         need = sum(self._pages(s) - self._pages(p) for p, s in zip(prefix_lens, seq_lens))
         out_loc = self._alloc(self.allocator.alloc_extend, need, prefix_lens, seq_lens, last_loc)
         off = 0
@@ -117,23 +117,33 @@ class ScheduleBatch:
         return self.allocator.available_size() >= need
 
     def prepare_for_decode(self) -> ForwardBatch:
+        """One new KV slot per request. Rows, lengths and input ids come from host state (the
+        scheduler's lists), so building the step reads nothing back from the device."""
         self.forward_mode = ForwardMode.DECODE
         bs = len(self.reqs)
-        rows = torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64)
-        old = torch.tensor([r.kv_committed_len for r in self.reqs], dtype=torch.int64)
-        table = self.req_to_token_pool.req_to_token
-        flat = table.view(-1)
-        width = table.shape[1]
-        last_loc = flat.index_select(0, rows * width + old - 1).to(torch.int64)
-        out_loc = self._alloc(self.allocator.alloc_decode, self.new_page_count() * self.page_size, old + 1, last_loc)
-        flat.index_copy_(0, rows * width + old, out_loc.to(torch.int32))
+        rows = [r.req_pool_idx for r in self.reqs]
+        old = [r.kv_committed_len for r in self.reqs]
+        new_lens = [n + 1 for n in old]
+        last_loc = self._last_loc(rows, old)
+        out_loc = self._alloc(self.allocator.alloc_decode, self.new_page_count() * self.page_size,
+                              new_lens, last_loc)
+        width = self.req_to_token_pool.req_to_token.shape[1]
+        flat_pos = host_to_device([r * width + n for r, n in zip(rows, old)], torch.int64, self.device)
+        self.req_to_token_pool.req_to_token.view(-1).index_copy_(0, flat_pos, out_loc.to(torch.int32))
         for r in self.reqs:
             r.kv_allocated_len = r.kv_committed_len = r.kv_committed_len + 1
-        input_ids = torch.tensor([r.output_ids[-1] for r in self.reqs], dtype=torch.int64)
-        fb = ForwardBatch.create_decode(self.runner, input_ids, (old + 1).tolist(), rows, out_loc)
+        input_ids = host_to_device([r.output_ids[-1] for r in self.reqs], torch.int64, self.device)
+        fb = ForwardBatch.create_decode(self.runner, input_ids, new_lens, rows, out_loc)
         fb.sampling_info = self._decode_sampling_info(input_ids)
         assert fb.batch_size == bs
         return fb
+
+    def _last_loc(self, rows: List[int], lens: List[int]) -> torch.Tensor:
+        """KV slot of position `lens[i] - 1` of each row, gathered on the device (the paged
+        allocator continues a partial page from it; where a length is 0 the value is unused)."""
+        width = self.req_to_token_pool.req_to_token.shape[1]
+        flat = host_to_device([r * width + max(n - 1, 0) for r, n in zip(rows, lens)], torch.int64, self.device)
+        return self.req_to_token_pool.req_to_token.view(-1).index_select(0, flat).to(torch.int64)
 
     def _decode_sampling_info(self, last_tokens: torch.Tensor) -> SamplingBatchInfo:
         """Same requests as the previous decode step: each gained exactly `last_tokens`, so
@@ -164,7 +174,7 @@ class ScheduleBatch:
             return
         row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
         private = row[req.cache_protected_len : req.kv_allocated_len].to(torch.int64)
-        self.allocator.free(private)
+        self.allocator.free_aligned(private)  # cache_protected_len is page-aligned
         if req.last_node is not None:
             self.tree_cache.dec_lock_ref(req.last_node)
         self.req_to_token_pool.free(req.req_pool_idx)

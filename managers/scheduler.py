@@ -213,7 +213,8 @@ class Scheduler:
             self.process_batch_result_prefill(batch, sample)
 
     def process_batch_result_prefill(self, batch: ScheduleBatch, sample) -> None:
-        tokens = sample.next_token_ids.tolist()
+        sample = sample.to_host()  # the step's one device-to-host transfer
+        tokens = sample.next_token_ids
         for i, req in enumerate(batch.reqs):
             if req is self.chunked_req:  # partial prompt: no token, keep prefilling next round
                 req.is_chunked += 1
@@ -238,7 +239,8 @@ class Scheduler:
         self._stream(batch.reqs)
 
     def process_batch_result_decode(self, batch: ScheduleBatch, sample) -> None:
-        tokens = sample.next_token_ids.tolist()
+        sample = sample.to_host()  # the step's one device-to-host transfer
+        tokens = sample.next_token_ids
         for i, req in enumerate(batch.reqs):
             append_token(req, i, tokens[i], sample)
             req.check_finished(self.tokenizer)

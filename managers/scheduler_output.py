@@ -8,18 +8,20 @@ import torch
 
 from managers.io_struct import BatchTokenIDOut, DecodeParams
 from managers.req import Req
+from srt.utils.device_utils import host_to_device
 
 if TYPE_CHECKING:
     from srt.layers.logits_processor import LogitsProcessorOutput
-    from srt.layers.sampler import SampleOutput
+    from srt.layers.sampler import SampleOutputHost
 
 
-def append_token(req: Req, i: int, token: int, sample: "SampleOutput") -> None:
-    """Append one output token and exactly one logprob entry for it."""
+def append_token(req: Req, i: int, token: int, sample: "SampleOutputHost") -> None:
+    """Append one output token and exactly one logprob entry for it (`sample` is the step's
+    host copy, so nothing here reads the device)."""
     req.output_ids.append(token)
     if not req.return_logprob or sample.logprobs is None:
         return
-    req.output_token_logprobs_val.append(float(sample.logprobs[i]))
+    req.output_token_logprobs_val.append(sample.logprobs[i])
     req.output_token_logprobs_idx.append(token)
     if req.top_logprobs_num and sample.top_logprobs is not None:
         vals, ids = sample.top_logprobs[i]
@@ -39,22 +41,28 @@ def accumulate_input_logprobs(reqs: List[Req], logits_output: "LogitsProcessorOu
     if logits_output.input_token_logits is None:
         return
     logprobs = torch.log_softmax(logits_output.input_token_logits.float(), dim=-1)
-    off = 0
+    # Which (row, token) each entry reads, found on the host; then one gather and one transfer.
+    plan, rows, cols, off = [], [], [], 0
     for req, p, s, n in zip(reqs, prefix_lens, seq_lens, logits_output.input_token_logits_lens):
-        rows = logprobs[off : off + n]
+        first, base = s - n, off
         off += n
         if n == 0 or not req.return_logprob or req.input_logprobs_done:
             continue
         ids = req.origin_input_ids
+        toks = [ids[first + j + 1] for j in range(n) if first + j + 1 < len(ids)]
+        plan.append((req, s, toks, len(rows)))
+        rows.extend(range(base, base + len(toks)))
+        cols.extend(toks)
+    if not plan:
+        return
+    device = logprobs.device
+    values = logprobs[host_to_device(rows, torch.int64, device), host_to_device(cols, torch.int64, device)].tolist()
+    for req, s, toks, start in plan:
+        ids = req.origin_input_ids
         if req.input_token_logprobs_val is None:
             req.input_token_logprobs_val, req.input_token_logprobs_idx = [None], [ids[req.logprob_start_len]]
-        first = s - n
-        for j in range(n):
-            if first + j + 1 >= len(ids):
-                break
-            tok = ids[first + j + 1]
-            req.input_token_logprobs_val.append(float(rows[j, tok]))
-            req.input_token_logprobs_idx.append(tok)
+        req.input_token_logprobs_val.extend(values[start : start + len(toks)])
+        req.input_token_logprobs_idx.extend(toks)
         if s >= len(ids):
             req.input_logprobs_done = True
 

@@ -10,9 +10,18 @@ a pool of millions of slots, and `free` costs O(freed), not O(pool).
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Union
 
 import torch
+
+from srt.utils.device_utils import host_to_device
+
+Lengths = Union[Sequence[int], torch.Tensor]
+
+
+def _host_list(lengths: Lengths) -> List[int]:
+    """Host lengths; the scheduler passes lists (a tensor here is a test's convenience)."""
+    return lengths.tolist() if isinstance(lengths, torch.Tensor) else [int(x) for x in lengths]
 
 
 class _LazyFreeList:
@@ -99,11 +108,15 @@ class TokenToKVPoolAllocator:
         """Slots for positions `prefix_len .. seq_len` of each request, concatenated."""
         return self.alloc(int(sum(seq_lens) - sum(prefix_lens)))
 
-    def alloc_decode(self, seq_lens: torch.Tensor, last_loc: torch.Tensor) -> Optional[torch.Tensor]:
+    def alloc_decode(self, seq_lens: Lengths, last_loc: torch.Tensor) -> Optional[torch.Tensor]:
         """One slot per request for position `seq_len - 1` (seq_lens already include it)."""
         return self.alloc(len(seq_lens))
 
     def free(self, free_index: torch.Tensor) -> None:
+        self._free.put(free_index)
+
+    def free_aligned(self, free_index: torch.Tensor) -> None:
+        """Same as `free` here (see the paged allocator)."""
         self._free.put(free_index)
 
 
@@ -149,10 +162,13 @@ class PagedTokenToKVPoolAllocator:
         return None if pages is None else self._pages_to_slots(pages)
 
     def alloc_extend(
-        self, prefix_lens: Sequence[int], seq_lens: Sequence[int], last_loc: Sequence[int]
+        self, prefix_lens: Sequence[int], seq_lens: Sequence[int], last_loc: Union[torch.Tensor, Sequence[int]]
     ) -> Optional[torch.Tensor]:
         """Continue each request's partial last page (`last_loc` = slot of position
-        `prefix_len - 1`, ignored when the prefix is page-aligned), then take new pages."""
+        `prefix_len - 1`, ignored when the prefix is page-aligned), then take new pages.
+
+        `last_loc` may live on the device: the partial-page slots are computed from it with
+        tensor ops, so its values are never read on the host."""
         P = self.page_size
         new_pages = [-(-s // P) - (-(-p // P)) for p, s in zip(prefix_lens, seq_lens)]
         pages = self._free.take(sum(new_pages))
@@ -162,7 +178,7 @@ class PagedTokenToKVPoolAllocator:
         for p, s, last, n in zip(prefix_lens, seq_lens, last_loc, new_pages):
             head = min(s, -(-p // P) * P) - p  # tokens that fit in the partial page
             if head > 0:
-                out.append(torch.arange(int(last) + 1, int(last) + 1 + head, device=self.device))
+                out.append(last + torch.arange(1, 1 + head, dtype=torch.int64, device=self.device))
             if n:
                 slots = self._pages_to_slots(pages[used : used + n])
                 used += n
@@ -171,17 +187,28 @@ class PagedTokenToKVPoolAllocator:
             return torch.empty(0, dtype=torch.int64, device=self.device)
         return torch.cat(out).to(torch.int64)
 
-    def alloc_decode(self, seq_lens: torch.Tensor, last_loc: torch.Tensor) -> Optional[torch.Tensor]:
+    def alloc_decode(self, seq_lens: Lengths, last_loc: torch.Tensor) -> Optional[torch.Tensor]:
         """One slot per request for position `seq_len - 1`; only requests whose new token
-        starts a page take a page."""
-        needs_page = (seq_lens - 1) % self.page_size == 0
-        pages = self._free.take(int(needs_page.sum()))
+        starts a page take a page. `seq_lens` are host lengths, so which rows need a page is
+        known without reading the device."""
+        rows = [i for i, s in enumerate(_host_list(seq_lens)) if (s - 1) % self.page_size == 0]
+        pages = self._free.take(len(rows))
         if pages is None:
             return None
         out = last_loc.to(torch.int64) + 1
-        out[needs_page] = pages * self.page_size
+        if rows:
+            out.index_copy_(0, host_to_device(rows, torch.int64, out.device), pages * self.page_size)
         return out
 
     def free(self, free_index: torch.Tensor) -> None:
+        """Free the page of every given slot (any order, repeats allowed; `torch.unique` reads
+        the device, so the scheduler's hot path uses `free_aligned`)."""
         if free_index.numel():
             self._free.put(torch.unique(free_index.to(torch.int64) // self.page_size))
+
+    def free_aligned(self, free_index: torch.Tensor) -> None:
+        """Free whole pages given as their slots in position order, starting on a page boundary
+        (a tree value, or a request's span from a page-aligned position). One slot per page
+        names it, so no de-duplication (and no host read) is needed."""
+        if free_index.numel():
+            self._free.put(free_index[:: self.page_size].to(torch.int64) // self.page_size)

@@ -132,7 +132,7 @@ class BasePrefixCache(abc.ABC):
     def _finish_unshared(self, req: PrefixCacheReq) -> None:
         """Free every private slot `[cache_protected_len, kv_allocated_len)` and the row."""
         slots = self._row_slots(req, req.cache_protected_len, req.kv_allocated_len)
-        self.token_to_kv_pool_allocator.free(slots)
+        self.token_to_kv_pool_allocator.free_aligned(slots)  # the span starts on a page
         self._release_row(req)
 
     def _keep_unshared(self, req: PrefixCacheReq) -> None:

@@ -123,7 +123,7 @@ class RadixCache(BasePrefixCache):
         if self.disable:
             return 0
         if value is None:
-            value = torch.tensor(key.token_ids, dtype=torch.int64)
+            value = torch.tensor(key.token_ids, dtype=torch.int64, device="cpu")
         if value.dim() != 1 or len(value) != len(key):
             raise ValueError(f"value must be 1-D with len(key)={len(key)} entries, got shape {tuple(value.shape)}")
         n = self._aligned(len(key))
@@ -261,7 +261,7 @@ class RadixCache(BasePrefixCache):
         tree values and page-aligned row spans are), so one slot per page is enough: the paged
         allocator frees the page of each slot it is given."""
         if self.token_to_kv_pool_allocator is not None and slots.numel():
-            self.token_to_kv_pool_allocator.free(slots[:: self.page_size] if self.page_size > 1 else slots)
+            self.token_to_kv_pool_allocator.free_aligned(slots)
 
     def _delete_leaf(self, node: TreeNode) -> None:
         parent = node.parent

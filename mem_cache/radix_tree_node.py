@@ -180,7 +180,7 @@ class TreeNode:
         self.children: Dict[Hashable, TreeNode] = {}
         self.parent: Optional[TreeNode] = None
         self.key = key if key is not None else RadixKey.from_packed(b"")
-        self.value = value if value is not None else torch.empty(0, dtype=torch.int64)
+        self.value = value if value is not None else torch.empty(0, dtype=torch.int64, device="cpu")
         self.lock_ref = 0
         self.last_access_time = 0
         self.hit_count = 0

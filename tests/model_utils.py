@@ -19,8 +19,8 @@ def make_runner(model_path, max_total_tokens: int = 8192, max_running_requests: 
 
 
 def random_prompts(vocab: int, lengths: Sequence[int], seed: int = 0) -> List[List[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g, device="cpu").tolist() for n in lengths]
 
 
 def greedy_run(runner: ModelRunner, prompts: Sequence[Sequence[int]], steps: int) -> Tuple[List[List[int]], torch.Tensor]:

@@ -41,7 +41,7 @@ class TorchNativeAttnBackend(AttentionBackend):
             self.decode_indices = idx
             return
         rows = []
-        rows_idx = fb.req_pool_indices.tolist()
+        rows_idx = fb.req_pool_indices_cpu
         for row, prefix, ext in zip(rows_idx, fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu):
             seq = prefix + ext
             slots = req_to_token[row, :seq].to(torch.int64)

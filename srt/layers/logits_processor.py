@@ -6,8 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, List, Optional
 
+import itertools
+
 import torch
 from torch import nn
+
+from srt.utils.device_utils import host_to_device
 
 if TYPE_CHECKING:
     from srt.model_executor.forward_batch_info import ForwardBatch
@@ -33,17 +37,17 @@ class LogitsProcessor(nn.Module):
         if fb.forward_mode.is_decode():
             return LogitsProcessorOutput((hidden_states @ weight.T).float())
         ext = fb.extend_seq_lens_cpu
-        ends = torch.tensor(ext, device=hidden_states.device).cumsum(0)
-        last = (hidden_states[ends - 1] @ weight.T).float()
+        device = hidden_states.device
+        ends = list(itertools.accumulate(ext))
+        last = (hidden_states[host_to_device([e - 1 for e in ends], torch.int64, device)] @ weight.T).float()
         starts = fb.extend_logprob_start_lens_cpu
         if starts is None:
             return LogitsProcessorOutput(last)
-        rows, lens, offset = [], [], 0
+        idx, lens, offset = [], [], 0
         for n, s in zip(ext, starts):
             s = min(max(s, 0), n)
-            rows.append(torch.arange(offset + s, offset + n, device=hidden_states.device))
+            idx.extend(range(offset + s, offset + n))
             lens.append(n - s)
             offset += n
-        idx = torch.cat(rows) if rows else torch.empty(0, dtype=torch.int64)
-        full = (hidden_states[idx] @ weight.T).float()
+        full = (hidden_states[host_to_device(idx, torch.int64, device)] @ weight.T).float()
         return LogitsProcessorOutput(last, full, lens)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from srt.sampling.sampling_batch_info import SamplingBatchInfo
+from srt.utils.device_utils import host_to_device
 
 _MASK32 = 0xFFFFFFFF
 _MASK16 = 0xFFFF
@@ -26,14 +27,66 @@ _MASK16 = 0xFFFF
 
 @dataclass
 class SampleOutput:
-    """Result of one sampling step for a batch of bs requests."""
+    """Result of one sampling step for a batch of bs requests: device tensors, read on the host
+    all at once by `to_host()` (one device-to-host transfer per step)."""
 
     next_token_ids: torch.Tensor  # [bs] int64
     # [bs] float32: logprob of next_token_ids[i] (see the module docstring); None unless asked.
     logprobs: Optional[torch.Tensor] = None
-    # Per request: (values, ids) of its top_logprobs_nums[i] most likely tokens, best first.
+    # [bs, k_max] values and ids of the most likely tokens, best first; row i keeps top_ks[i].
+    top_logprobs_val: Optional[torch.Tensor] = None
+    top_logprobs_idx: Optional[torch.Tensor] = None
+    top_ks: Optional[List[int]] = None
+    # [bs, m_max] logprobs of the ids each request asked for; row i keeps len(token_ids[i]).
+    token_ids_val: Optional[torch.Tensor] = None
+    token_ids: Optional[List[Optional[Sequence[int]]]] = None
+    _host: Optional["SampleOutputHost"] = None
+
+    def to_host(self) -> "SampleOutputHost":
+        """Everything the scheduler reads, in one transfer: the tensors are packed side by side
+        as float64 (exact for int64 token ids below 2^53 and for float32 values) and read with
+        a single `.tolist()`."""
+        if self._host is not None:
+            return self._host
+        bs = self.next_token_ids.shape[0]
+        parts = [self.next_token_ids.view(bs, 1)]
+        for t in (self.logprobs.view(bs, 1) if self.logprobs is not None else None,
+                  self.top_logprobs_val, self.top_logprobs_idx, self.token_ids_val):
+            if t is not None:
+                parts.append(t)
+        packed = parts[0].view(bs, 1) if len(parts) == 1 else torch.cat([p.to(torch.float64) for p in parts], 1)
+        rows = packed.tolist()
+        host = SampleOutputHost(next_token_ids=[int(r[0]) for r in rows])
+        col = 1
+        if self.logprobs is not None:
+            host.logprobs = [r[col] for r in rows]
+            col += 1
+        if self.top_logprobs_val is not None:
+            k = self.top_logprobs_val.shape[1]
+            host.top_logprobs = [(r[col : col + n], [int(x) for x in r[col + k : col + k + n]])
+                                 for r, n in zip(rows, self.top_ks)]
+            col += 2 * k
+        if self.token_ids_val is not None:
+            host.token_ids_logprobs = [r[col : col + len(ids or ())] for r, ids in zip(rows, self.token_ids)]
+        self._host = host
+        return host
+
+    @property
+    def top_logprobs(self) -> Optional[List[Tuple[List[float], List[int]]]]:
+        return self.to_host().top_logprobs
+
+    @property
+    def token_ids_logprobs(self) -> Optional[List[List[float]]]:
+        return self.to_host().token_ids_logprobs
+
+
+@dataclass
+class SampleOutputHost:
+    """`SampleOutput` as Python lists (per request)."""
+
+    next_token_ids: List[int]
+    logprobs: Optional[List[float]] = None
     top_logprobs: Optional[List[Tuple[List[float], List[int]]]] = None
-    # Per request: logprobs of the ids it asked for in token_ids_logprob (empty when none).
     token_ids_logprobs: Optional[List[List[float]]] = None
 
 
@@ -86,16 +139,13 @@ class Sampler(nn.Module):
         out.logprobs = logprobs.gather(1, next_ids.view(-1, 1)).view(-1)
         if top_logprobs_nums is not None and any(k > 0 for k in top_logprobs_nums):
             k_max = min(max(top_logprobs_nums), logprobs.shape[1])
-            values, ids = logprobs.topk(k_max, dim=-1)
-            values, ids = values.tolist(), ids.tolist()
-            out.top_logprobs = [
-                (values[i][:k], ids[i][:k]) for i, k in enumerate(top_logprobs_nums)
-            ]
-        if token_ids_logprob is not None:
-            rows = logprobs.cpu() if logprobs.device.type != "cpu" else logprobs
-            out.token_ids_logprobs = [
-                rows[i, list(ids)].tolist() if ids else [] for i, ids in enumerate(token_ids_logprob)
-            ]
+            out.top_logprobs_val, out.top_logprobs_idx = logprobs.topk(k_max, dim=-1)
+            out.top_ks = [min(k, k_max) for k in top_logprobs_nums]
+        if token_ids_logprob is not None and any(token_ids_logprob):
+            width = max(len(ids or ()) for ids in token_ids_logprob)
+            index = [list(ids or ()) + [0] * (width - len(ids or ())) for ids in token_ids_logprob]
+            out.token_ids_val = logprobs.gather(1, host_to_device(index, torch.int64, logprobs.device))
+            out.token_ids = list(token_ids_logprob)
         return out
 
 

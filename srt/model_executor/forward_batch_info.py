@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Union
 
 import torch
+
+from srt.utils.device_utils import host_to_device
 
 if TYPE_CHECKING:
     from kernels.attention.base_attn_backend import AttentionBackend
@@ -41,6 +43,7 @@ class ForwardBatch:
     req_pool_indices: torch.Tensor
     seq_lens: torch.Tensor
     seq_lens_cpu: List[int]
+    req_pool_indices_cpu: List[int]
     req_to_token_pool: "ReqToTokenPool"
     token_to_kv_pool: "MHATokenToKVPool"
     attn_backend: "AttentionBackend"
@@ -66,16 +69,18 @@ class ForwardBatch:
         ext = [len(x) for x in input_ids]
         seq = [p + e for p, e in zip(prefix_lens, ext)]
         flat = [t for ids in input_ids for t in ids]
-        positions = torch.cat([torch.arange(p, s) for p, s in zip(prefix_lens, seq)]) if flat else torch.empty(0)
+        positions = [j for p, s in zip(prefix_lens, seq) for j in range(p, s)]
+        rows = [int(r) for r in req_pool_indices]
         return cls(
             forward_mode=ForwardMode.EXTEND,
             batch_size=len(input_ids),
-            input_ids=torch.tensor(flat, dtype=torch.int64, device=device),
-            positions=positions.to(device=device, dtype=torch.int64),
+            input_ids=host_to_device(flat, torch.int64, device),
+            positions=host_to_device(positions, torch.int64, device),
             out_cache_loc=out_cache_loc.to(device),
-            req_pool_indices=torch.tensor(list(req_pool_indices), dtype=torch.int64, device=device),
-            seq_lens=torch.tensor(seq, dtype=torch.int64, device=device),
+            req_pool_indices=host_to_device(rows, torch.int64, device),
+            seq_lens=host_to_device(seq, torch.int64, device),
             seq_lens_cpu=seq,
+            req_pool_indices_cpu=rows,
             req_to_token_pool=runner.req_to_token_pool,
             token_to_kv_pool=runner.token_to_kv_pool,
             attn_backend=runner.attn_backend,
@@ -88,23 +93,31 @@ class ForwardBatch:
     def create_decode(
         cls,
         runner,
-        input_ids: torch.Tensor,
+        input_ids: Union[torch.Tensor, Sequence[int]],
         seq_lens: Sequence[int],
-        req_pool_indices: torch.Tensor,
+        req_pool_indices: Sequence[int],
         out_cache_loc: torch.Tensor,
     ) -> "ForwardBatch":
-        """Decode step: `input_ids[i]` sits at position `seq_lens[i] - 1` (seq_lens include it)."""
+        """Decode step: `input_ids[i]` sits at position `seq_lens[i] - 1` (seq_lens include it).
+        Lengths and rows are host lists (the scheduler knows them), so nothing is read back."""
         device = runner.device
-        seq_t = torch.as_tensor(list(seq_lens), dtype=torch.int64, device=device)
+        seq = [int(s) for s in seq_lens]
+        rows = [int(r) for r in req_pool_indices]
+        seq_t = host_to_device(seq, torch.int64, device)
+        if isinstance(input_ids, torch.Tensor):
+            ids = input_ids.to(device=device, dtype=torch.int64)
+        else:
+            ids = host_to_device(list(input_ids), torch.int64, device)
         return cls(
             forward_mode=ForwardMode.DECODE,
-            batch_size=len(seq_lens),
-            input_ids=input_ids.to(device=device, dtype=torch.int64),
+            batch_size=len(seq),
+            input_ids=ids,
             positions=seq_t - 1,
             out_cache_loc=out_cache_loc.to(device),
-            req_pool_indices=req_pool_indices.to(device=device, dtype=torch.int64),
+            req_pool_indices=host_to_device(rows, torch.int64, device),
             seq_lens=seq_t,
-            seq_lens_cpu=list(seq_lens),
+            seq_lens_cpu=seq,
+            req_pool_indices_cpu=rows,
             req_to_token_pool=runner.req_to_token_pool,
             token_to_kv_pool=runner.token_to_kv_pool,
             attn_backend=runner.attn_backend,

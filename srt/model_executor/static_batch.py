@@ -14,6 +14,7 @@ import torch
 from srt.layers.logits_processor import LogitsProcessorOutput
 from srt.model_executor.forward_batch_info import ForwardBatch
 from srt.model_executor.model_runner import ModelRunner
+from srt.utils.device_utils import host_to_device
 
 
 class StaticBatch:
@@ -26,9 +27,12 @@ class StaticBatch:
         self.rows_t = torch.tensor(rows, dtype=torch.int64, device=runner.device)
         self.seq_lens = [0] * batch_size
 
-    def _last_locs(self, idx: Sequence[int]) -> List[int]:
+    def _last_locs(self, idx: Sequence[int]) -> torch.Tensor:
+        """Slot of each request's last position, gathered on the device (unused where empty)."""
         table = self.runner.req_to_token_pool.req_to_token
-        return [int(table[self.rows[i], self.seq_lens[i] - 1]) if self.seq_lens[i] else 0 for i in idx]
+        width = table.shape[1]
+        flat = [self.rows[i] * width + max(self.seq_lens[i] - 1, 0) for i in idx]
+        return table.view(-1).index_select(0, host_to_device(flat, torch.int64, table.device)).to(torch.int64)
 
     def extend(self, new_ids: Sequence[Sequence[int]], which: Optional[Sequence[int]] = None,
                logprob_starts: Optional[Sequence[int]] = None) -> LogitsProcessorOutput:
@@ -51,16 +55,22 @@ class StaticBatch:
 
     def decode(self, input_ids: torch.Tensor) -> LogitsProcessorOutput:
         """One token per request (all requests), at position `seq_len`."""
+        fb = self.prepare_decode(input_ids)
+        return self.runner.forward(fb)
+
+    def prepare_decode(self, input_ids: torch.Tensor) -> ForwardBatch:
+        """Allocate and record one KV slot per request; the `ForwardBatch` of that decode step."""
         table = self.runner.req_to_token_pool.req_to_token
-        old = torch.tensor(self.seq_lens, dtype=torch.int64, device=self.runner.device)
-        last_loc = table[self.rows_t, old - 1].to(torch.int64)
-        slots = self.runner.token_to_kv_pool_allocator.alloc_decode(old + 1, last_loc)
+        last_loc = self._last_locs(range(len(self.rows)))
+        new_lens = [s + 1 for s in self.seq_lens]
+        slots = self.runner.token_to_kv_pool_allocator.alloc_decode(new_lens, last_loc)
         if slots is None:
             raise RuntimeError("KV pool exhausted")
-        table[self.rows_t, old] = slots.to(torch.int32)
-        self.seq_lens = [s + 1 for s in self.seq_lens]
-        fb = ForwardBatch.create_decode(self.runner, input_ids, self.seq_lens, self.rows_t, slots)
-        return self.runner.forward(fb)
+        width = table.shape[1]
+        flat = host_to_device([r * width + n for r, n in zip(self.rows, self.seq_lens)], torch.int64, table.device)
+        table.view(-1).index_copy_(0, flat, slots.to(torch.int32))
+        self.seq_lens = new_lens
+        return ForwardBatch.create_decode(self.runner, input_ids, self.seq_lens, self.rows, slots)
 
     def release(self) -> None:
         """Free every KV slot and request row this batch holds."""

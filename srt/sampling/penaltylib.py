@@ -13,6 +13,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from srt.sampling.sampling_params import SamplingParams
+from srt.utils.device_utils import host_to_device
 
 
 def count_output_tokens(
@@ -30,13 +31,9 @@ def count_output_tokens(
     max_len = max((len(ids) for ids in output_ids), default=0)
     if max_len == 0:
         return counts
-    padded = torch.zeros(batch_size, max_len, dtype=torch.int64)
-    weight = torch.zeros(batch_size, max_len, dtype=torch.float32)
-    for row, ids in enumerate(output_ids):
-        if ids:
-            padded[row, : len(ids)] = torch.as_tensor(list(ids), dtype=torch.int64)
-            weight[row, : len(ids)] = 1.0
-    counts.scatter_add_(1, padded.to(device), weight.to(device))
+    padded = [list(ids) + [0] * (max_len - len(ids)) for ids in output_ids]
+    weight = [[1.0] * len(ids) + [0.0] * (max_len - len(ids)) for ids in output_ids]
+    counts.scatter_add_(1, host_to_device(padded, torch.int64, device), host_to_device(weight, torch.float32, device))
     return counts
 
 
@@ -77,18 +74,17 @@ class PenaltyState:
         bs = len(params)
 
         def column(values: List[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device).view(bs, 1)
+            return host_to_device(values, torch.float32, device).view(bs, 1)
 
-        state = cls(
+        return cls(
             frequency_penalties=column([p.frequency_penalty for p in params]),
             presence_penalties=column([p.presence_penalty for p in params]),
             repetition_penalties=column([p.repetition_penalty for p in params]),
             output_counts=count_output_tokens(output_ids, bs, vocab_size, device),
-            need_additive=False,
-            need_repetition=False,
+            # From the host values: no device read when a batch is built.
+            need_additive=any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params),
+            need_repetition=any(p.repetition_penalty != 1.0 for p in params),
         )
-        state._refresh_flags()
-        return state
 
     @classmethod
     def neutral(cls, batch_size: int, vocab_size: int, device) -> "PenaltyState":

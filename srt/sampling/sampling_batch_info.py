@@ -17,6 +17,7 @@ import torch
 
 from srt.sampling.penaltylib import PenaltyState
 from srt.sampling.sampling_params import SamplingParams, fold_seed
+from srt.utils.device_utils import host_to_device
 
 Indices = Union[torch.Tensor, Sequence[int]]
 
@@ -83,24 +84,21 @@ class SamplingBatchInfo:
         greedy = [p.is_greedy for p in params]
         top_ks = [vocab_size if (p.top_k < 0 or p.top_k > vocab_size) else p.top_k for p in params]
         sampled = [i for i in range(bs) if not greedy[i]]
+        def rows(values, dtype):  # host lists -> one pinned, non-blocking copy each
+            return host_to_device(values, dtype, device)
+
         info = cls(
-            temperatures=torch.tensor(
-                [1.0 if g else float(p.temperature) for p, g in zip(params, greedy)],
-                dtype=torch.float32,
-            ).view(bs, 1),
-            top_ps=torch.tensor([float(p.top_p) for p in params], dtype=torch.float32),
-            top_ks=torch.tensor(top_ks, dtype=torch.int64),
-            min_ps=torch.tensor([float(p.min_p) for p in params], dtype=torch.float32),
-            greedy_mask=torch.tensor(greedy, dtype=torch.bool),
-            seeds=torch.tensor(
-                [fold_seed(p.sampling_seed) if p.sampling_seed is not None else 0 for p in params],
-                dtype=torch.int64,
-            ),
-            has_seed=torch.tensor([p.sampling_seed is not None for p in params], dtype=torch.bool),
-            output_lens=torch.tensor(
-                [len(ids) for ids in output_ids] if output_ids is not None else [0] * bs,
-                dtype=torch.int64,
-            ),
+            temperatures=rows([1.0 if g else float(p.temperature) for p, g in zip(params, greedy)],
+                              torch.float32).view(bs, 1),
+            top_ps=rows([float(p.top_p) for p in params], torch.float32),
+            top_ks=rows(top_ks, torch.int64),
+            min_ps=rows([float(p.min_p) for p in params], torch.float32),
+            greedy_mask=rows(greedy, torch.bool),
+            seeds=rows([fold_seed(p.sampling_seed) if p.sampling_seed is not None else 0 for p in params],
+                       torch.int64),
+            has_seed=rows([p.sampling_seed is not None for p in params], torch.bool),
+            output_lens=rows([len(ids) for ids in output_ids] if output_ids is not None else [0] * bs,
+                             torch.int64),
             vocab_size=vocab_size,
             device=device,
             is_all_greedy=not sampled,
@@ -109,20 +107,12 @@ class SamplingBatchInfo:
             need_min_p_sampling=any(params[i].min_p > 0.0 for i in sampled),
             any_seeded=any(p.sampling_seed is not None for p in params),
         )
-        info._to_device()
         info.penalties = PenaltyState.build(params, output_ids, vocab_size, device)
         info.logit_bias = _build_logit_bias(params, vocab_size, device)
         if any(p.min_new_tokens > 0 for p in params):
-            info.min_new_tokens = torch.tensor(
-                [p.min_new_tokens for p in params], dtype=torch.int64, device=device
-            )
+            info.min_new_tokens = host_to_device([p.min_new_tokens for p in params], torch.int64, device)
             info.stop_token_mask = _build_stop_token_mask(params, stop_token_ids, vocab_size, device)
         return info
-
-    def _to_device(self) -> None:
-        for name in ("temperatures", "top_ps", "top_ks", "min_ps", "greedy_mask", "seeds",
-                     "has_seed", "output_lens"):
-            setattr(self, name, getattr(self, name).to(self.device))
 
     # -------------------------------------------------------------- per step
     def apply_logits_bias(self, logits: torch.Tensor) -> None:
@@ -147,7 +137,10 @@ class SamplingBatchInfo:
     # ------------------------------------------------------ batch composition
     def filter_batch(self, keep_indices: Indices) -> None:
         """Keep only rows `keep_indices` (in that order), e.g. after requests finish."""
-        keep = torch.as_tensor(keep_indices, dtype=torch.int64).to(self.device)
+        if isinstance(keep_indices, torch.Tensor):
+            keep = keep_indices.to(device=self.device, dtype=torch.int64)
+        else:
+            keep = host_to_device(list(keep_indices), torch.int64, self.device)
         for name in _ROW_TENSORS:
             value = getattr(self, name)
             if value is not None:
@@ -186,6 +179,8 @@ class SamplingBatchInfo:
         self._refresh_flags()
 
     def _refresh_flags(self) -> None:
+        """Re-derive the host flags after filter/merge (reads the device: not a per-step path;
+        the scheduler rebuilds with `from_params` instead)."""
         sampled = ~self.greedy_mask
         self.is_all_greedy = not bool(sampled.any())
         self.need_top_p_sampling = bool((sampled & (self.top_ps < 1.0)).any())
@@ -222,8 +217,8 @@ def _build_logit_bias(
         return None
     assert all(0 <= c < vocab_size for c in cols), "logit_bias token id out of range; verify() first"
     bias = torch.zeros(len(params), vocab_size, dtype=torch.float32, device=device)
-    index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
-    bias.index_put_(index, torch.tensor(values, dtype=torch.float32, device=device), accumulate=True)
+    index = (host_to_device(rows, torch.int64, device), host_to_device(cols, torch.int64, device))
+    bias.index_put_(index, host_to_device(values, torch.float32, device), accumulate=True)
     return bias
 
 
@@ -248,5 +243,6 @@ def _build_stop_token_mask(
             cols.append(tid)
     mask = torch.zeros(len(params), vocab_size, dtype=torch.bool, device=device)
     if rows:
-        mask[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = True
+        mask.index_put_((host_to_device(rows, torch.int64, device), host_to_device(cols, torch.int64, device)),
+                        torch.ones(len(rows), dtype=torch.bool, device=device))
     return mask

@@ -176,7 +176,18 @@ def _sizing_inputs(server_args: ServerArgs, cfg: Any, device: str, pre: Any, wei
     from srt.model_executor.memory_sizing import default_mem_fraction_static
 
     kind = "cuda" if device.startswith("cuda") else "cpu"
-    fraction = server_args.mem_fraction_static or default_mem_fraction_static(kind, pre.total_bytes)
+    from kernels.attention import resolve_attention_backend
+    from srt.model_executor.cuda_graph_runner import graph_reserve_bytes
+
+    try:
+        backend = resolve_attention_backend(server_args.attention_backend, device, cfg.dtype)
+    except ValueError:  # reported by the backend check itself
+        backend = "torch_native"
+    reserve = graph_reserve_bytes(server_args, cfg, kind, backend)
+    if reserve:
+        report.add("CUDA graph reserve", _size(reserve), "kept outside the default fraction; --disable-cuda-graph, "
+                   "--cuda-graph-max-bs", graph_reserve_bytes=reserve)
+    fraction = server_args.mem_fraction_static or default_mem_fraction_static(kind, pre.total_bytes, reserve)
     default = server_args.mem_fraction_static is None
     report.add("mem_fraction_static", f"f = {fraction:g}" + (f" (default on {kind})" if default else ""),
                "--mem-fraction-static", mem_fraction_static=fraction, mem_fraction_static_is_default=default)

@@ -74,6 +74,18 @@ class ServerArgs:
     page_size: int = _opt(1, "Tokens per KV page.")
     attention_backend: str = _opt("auto", "auto = flashinfer on CUDA when installed, else torch_native.",
                                   ATTENTION_BACKEND_CHOICES)
+    # CUDA graphs and torch.compile (decode).
+    disable_cuda_graph: bool = _opt(False, "Run decode eagerly on CUDA instead of replaying captured CUDA graphs.")
+    cuda_graph_max_bs: Optional[int] = _opt(
+        None, "Largest decode batch captured as a CUDA graph (default: min(160, --max-running-requests)); "
+        "bigger batches run eagerly.")
+    cuda_graph_bs: Optional[List[int]] = _opt(
+        None, "Exact decode batch sizes to capture (default: 1 2 4 8 16 24 32 ... up to --cuda-graph-max-bs).",
+        nargs="+")
+    enable_torch_compile: bool = _opt(
+        False, "Compile the decode forward with torch.compile (inductor): inside the CUDA graphs on CUDA, "
+        "as a speed option on CPU. The first batch of each size compiles (minutes).")
+    torch_compile_max_bs: int = _opt(32, "Largest decode batch size that uses the torch.compile'd forward.")
     random_seed: int = _opt(0, "Seed for weights of --load-format dummy and unseeded sampling.")
     trust_remote_code: bool = _opt(False, "Allow custom model/tokenizer code from the model directory.")
     # Memory and scheduling.
@@ -131,6 +143,12 @@ class ServerArgs:
                 raise ValueError(
                     f"Invalid --{f.name.replace('_', '-')} {value!r}. Accepted values: {', '.join(choices)}."
                 )
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ValueError(f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}.")
+        if self.cuda_graph_bs is not None and (not self.cuda_graph_bs or min(self.cuda_graph_bs) < 1):
+            raise ValueError(f"--cuda-graph-bs must list batch sizes >= 1, got {self.cuda_graph_bs}.")
+        if self.torch_compile_max_bs < 1:
+            raise ValueError(f"--torch-compile-max-bs must be >= 1, got {self.torch_compile_max_bs}.")
         if self.page_size < 1:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}.")
         if self.context_length is not None and self.context_length < 2:
@@ -169,7 +187,9 @@ class ServerArgs:
                 kwargs["choices"] = meta["choices"]
             if meta.get("required"):
                 kwargs["required"] = True
-            if f.name == "context_length":
+            if meta.get("nargs"):
+                kwargs.update(nargs=meta["nargs"], type=int)
+            elif f.name == "context_length":
                 kwargs["type"] = _cli_context_length
             elif f.type in ("int", int, "Optional[int]"):
                 kwargs["type"] = int

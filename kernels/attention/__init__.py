@@ -42,4 +42,4 @@ def create_attention_backend(name: str, model_runner) -> "AttentionBackend":  # 
         return FlashInferAttnBackend(model_runner)
     from kernels.attention.torch_native_backend import TorchNativeAttnBackend
 
-    return TorchNativeAttnBackend()
+    return TorchNativeAttnBackend(model_runner.device)

@@ -52,3 +52,19 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward_decode(self, q: torch.Tensor, layer: "RadixAttention", fb: "ForwardBatch") -> torch.Tensor:
         """One query per request over all of that request's keys."""
+
+    # ------------------------------------------------------------------ CUDA graphs
+    # Decode under `CudaGraphRunner`: metadata lives in static buffers sized once for the largest
+    # captured batch; capture points the kernels at them, replay refills them in place.
+    def init_cuda_graph_state(self, max_bs: int, max_kv_len: int) -> None:
+        """Allocate the static metadata buffers for batches of up to `max_bs` requests."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def init_forward_metadata_capture_cuda_graph(self, bs: int, fb: "ForwardBatch") -> None:
+        """Point this backend at its static buffers for a captured batch of `bs` (the padded
+        static `fb`: every row has seq_len 1 and writes the dummy slot 0)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def init_forward_metadata_replay_cuda_graph(self, bs: int, fb: "ForwardBatch") -> None:
+        """Refill the static buffers in place for the padded batch `fb` before a replay."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")

@@ -21,10 +21,35 @@ class TorchNativeAttnBackend(AttentionBackend):
     padded batch whose gather indices and key mask are built once per step.
     """
 
-    def __init__(self):
+    def __init__(self, device: "torch.device | str" = "cpu"):
+        self._graph_device = device
         self.decode_indices: Optional[torch.Tensor] = None
         self.decode_mask: Optional[torch.Tensor] = None
         self.extend_rows: list = []
+        self.graph_indices: Optional[torch.Tensor] = None  # static [max_bs, max_kv_len] (CUDA graphs)
+        self.graph_mask: Optional[torch.Tensor] = None
+
+    # CUDA graphs: shapes must not depend on the batch's lengths, so a captured decode gathers
+    # every column of `req_to_token` (`max_kv_len`) and masks the columns past each seq_len.
+    def init_cuda_graph_state(self, max_bs: int, max_kv_len: int) -> None:
+        device = self._graph_device
+        self.graph_indices = torch.zeros((max_bs, max_kv_len), dtype=torch.int64, device=device)
+        self.graph_mask = torch.zeros((max_bs, 1, 1, max_kv_len), dtype=torch.bool, device=device)
+        self.graph_columns = torch.arange(max_kv_len, dtype=torch.int64, device=device)
+
+    def init_forward_metadata_capture_cuda_graph(self, bs: int, fb: "ForwardBatch") -> None:
+        self.graph_indices[:bs].zero_()
+        self.graph_mask[:bs].zero_()
+        self.graph_mask[:bs, ..., 0] = True  # the capture run reads the dummy slot only
+        self.decode_indices, self.decode_mask = self.graph_indices[:bs], self.graph_mask[:bs]
+
+    def init_forward_metadata_replay_cuda_graph(self, bs: int, fb: "ForwardBatch") -> None:
+        width = self.graph_indices.shape[1]
+        idx = fb.req_to_token_pool.req_to_token[fb.req_pool_indices, :width].to(torch.int64)
+        valid = self.graph_columns[None, :] < fb.seq_lens[:, None]
+        self.graph_indices[:bs].copy_(torch.where(valid, idx, 0))
+        self.graph_mask[:bs].copy_(valid[:, None, None, :])
+        self.decode_indices, self.decode_mask = self.graph_indices[:bs], self.graph_mask[:bs]
 
     def init_forward_metadata(self, fb: "ForwardBatch") -> None:
         req_to_token = fb.req_to_token_pool.req_to_token

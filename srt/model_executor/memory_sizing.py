@@ -60,13 +60,15 @@ def _memory_word(device_kind: str) -> str:
     return "GPU" if device_kind == "cuda" else "host"
 
 
-def default_mem_fraction_static(device_kind: str, total_bytes: int) -> float:
-    """The `--mem-fraction-static` used when the flag is omitted (see the constants above)."""
+def default_mem_fraction_static(device_kind: str, total_bytes: int, graph_reserve_bytes: int = 0) -> float:
+    """The `--mem-fraction-static` used when the flag is omitted (see the constants above). On
+    CUDA, `graph_reserve_bytes` (what captured CUDA graphs keep, `cuda_graph_runner.py`) is left
+    outside the static budget on top of the usual reserve, as SGLang does."""
     if device_kind != "cuda":
         return CPU_DEFAULT_MEM_FRACTION_STATIC
     if total_bytes <= 0:
         return CUDA_MIN_DEFAULT_FRACTION
-    reserved = max(CUDA_RESERVED_MIN_BYTES, (1 - CUDA_MAX_DEFAULT_FRACTION) * total_bytes)
+    reserved = max(CUDA_RESERVED_MIN_BYTES, (1 - CUDA_MAX_DEFAULT_FRACTION) * total_bytes) + graph_reserve_bytes
     fraction = math.floor((total_bytes - reserved) / total_bytes * 1000) / 1000
     return min(CUDA_MAX_DEFAULT_FRACTION, max(CUDA_MIN_DEFAULT_FRACTION, fraction))
 

@@ -14,6 +14,7 @@ from mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from srt.configs.model_config import ModelConfig
 from srt.layers.logits_processor import LogitsProcessorOutput
 from srt.layers.sampler import SampleOutput, Sampler
+from srt.model_executor.cuda_graph_runner import CudaGraphRunner, graph_reserve_bytes
 from srt.model_executor.forward_batch_info import ForwardBatch
 from srt.model_executor.memory_sizing import (
     KVBudget, MemoryReading, compute_kv_budget, default_mem_fraction_static, fixed_kv_budget,
@@ -51,6 +52,7 @@ class ModelRunner:
         torch.manual_seed(server_args.random_seed)
         self.model_config = model_config or ModelConfig.from_server_args(server_args)
         self.dtype = self.model_config.dtype
+        self.attention_backend_name = resolve_attention_backend(server_args.attention_backend, self.device, self.dtype)
         pre = read_free_memory(self.device) if max_total_tokens is None else None
         self.model = get_model(self.model_config, server_args.load_format, self.device, server_args.random_seed)
         self.kv_budget = self._size_kv_pool(pre, max_total_tokens, max_running_requests)
@@ -59,9 +61,20 @@ class ModelRunner:
         self.max_req_input_len = self.kv_budget.max_req_input_len
         self.max_running_requests = self.kv_budget.max_running_requests
         self.init_memory_pool(self.kv_budget.max_total_num_tokens, self.max_running_requests)
-        self.attention_backend_name = resolve_attention_backend(server_args.attention_backend, self.device, self.dtype)
         self.attn_backend = create_attention_backend(self.attention_backend_name, self)
         self.sampler = Sampler()
+        self.graph_runner: Optional[CudaGraphRunner] = None
+        self.init_cuda_graphs()
+
+    def init_cuda_graphs(self) -> None:
+        """Decode through `CudaGraphRunner`: captured graphs on CUDA (unless --disable-cuda-graph);
+        on CPU only with --enable-torch-compile (the runner's eager replay of compiled buckets)."""
+        args = self.server_args
+        on_cuda = self.device.startswith("cuda")
+        if on_cuda and not args.disable_cuda_graph:
+            self.graph_runner = CudaGraphRunner(self)
+        elif args.enable_torch_compile:
+            self.graph_runner = CudaGraphRunner(self, use_cuda_graph=False)
 
     def _size_kv_pool(self, pre: Optional[MemoryReading], max_total_tokens: Optional[int],
                       max_running_requests: Optional[int]) -> KVBudget:
@@ -73,7 +86,8 @@ class ModelRunner:
             budget = fixed_kv_budget(max_total_tokens, args.max_running_requests, cell, self.page_size,
                                      cfg.context_len, kind)
         else:
-            fraction = args.mem_fraction_static or default_mem_fraction_static(kind, pre.total_bytes)
+            reserve = graph_reserve_bytes(args, cfg, kind, self.attention_backend_name)
+            fraction = args.mem_fraction_static or default_mem_fraction_static(kind, pre.total_bytes, reserve)
             avail = free_memory_after_load(self.device, pre, self.model)
             logger.debug("Free memory before loading %d bytes (%s), after %d bytes.", pre.free_bytes,
                          pre.source, avail)
@@ -103,6 +117,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> LogitsProcessorOutput:
+        if self.graph_runner is not None and self.graph_runner.can_run(fb):
+            return self.graph_runner.replay(fb)
         self.attn_backend.init_forward_metadata(fb)
         return self.model.forward(fb.input_ids, fb.positions, fb)
 

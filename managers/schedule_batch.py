@@ -15,7 +15,7 @@ import torch
 from managers.req import Req
 from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from srt.sampling.sampling_batch_info import SamplingBatchInfo
-from srt.utils.device_utils import host_to_device
+from kernels.device_utils import host_to_device
 
 logger = logging.getLogger(__name__)
 

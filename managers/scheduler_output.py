@@ -8,7 +8,7 @@ import torch
 
 from managers.io_struct import BatchTokenIDOut, DecodeParams
 from managers.req import Req
-from srt.utils.device_utils import host_to_device
+from kernels.device_utils import host_to_device
 
 if TYPE_CHECKING:
     from srt.layers.logits_processor import LogitsProcessorOutput

@@ -14,7 +14,7 @@ from typing import List, Optional, Sequence, Union
 
 import torch
 
-from srt.utils.device_utils import host_to_device
+from kernels.device_utils import host_to_device
 
 Lengths = Union[Sequence[int], torch.Tensor]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from device_utils import run_workload
+from hot_path_utils import run_workload
 from model_utils import make_runner, random_prompts
 from scheduler_utils import Harness
 from srt.model_executor.cuda_graph_runner import CudaGraphRunner, get_batch_sizes_to_capture

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from device_utils import SyncCounter, default_device, run_workload
+from hot_path_utils import SyncCounter, default_device, run_workload
 from managers.schedule_batch import ScheduleBatch
 from scheduler_utils import Harness
 

@@ -43,9 +43,15 @@ class FakePagedWrapper:
     """Stand-in for FlashInfer's paged wrappers: checks what FlashInfer requires of the plan
     and the caches, then runs `layouts.paged_attention` on what was planned."""
 
-    def __init__(self, float_workspace_buffer, kv_layout="NHD", use_tensor_cores=False):
+    def __init__(self, float_workspace_buffer, kv_layout="NHD", use_tensor_cores=False, use_cuda_graph=False,
+                 paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None, paged_kv_last_page_len_buffer=None):
         assert float_workspace_buffer.dtype == torch.uint8 and kv_layout == "NHD"
         self.use_tensor_cores = use_tensor_cores
+        self.use_cuda_graph = use_cuda_graph
+        self.buffers = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
+        if use_cuda_graph:
+            assert all(b is not None and b.dtype == torch.int32 for b in self.buffers)
+            assert len(paged_kv_indptr_buffer) == len(paged_kv_last_page_len_buffer) + 1
         self.num_plans = 0
 
     def _plan(self, qo_indptr, kv_indptr, kv_indices, last_page_len, dims, sm_scale, q_data_type,
@@ -84,23 +90,63 @@ class FakeDecodeWrapper(FakePagedWrapper):
     def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
              page_size, *, pos_encoding_mode="NONE", sm_scale=None, q_data_type=torch.float16,
              kv_data_type=None):
+        if self.use_cuda_graph:  # FlashInfer: fixed batch size; plan copies into the static buffers
+            indptr_buf, indices_buf, last_buf = self.buffers
+            assert len(indptr) == len(indptr_buf), f"graph wrapper of bs {len(last_buf)} planned for {len(indptr) - 1}"
+            assert len(indices) <= len(indices_buf), "page table larger than the static buffer"
+            indptr_buf.copy_(indptr)
+            indices_buf[: len(indices)].copy_(indices)
+            last_buf.copy_(last_page_len)
+            indptr, indices, last_page_len = indptr_buf, indices_buf[: len(indices)], last_buf
         qo_indptr = torch.arange(len(indptr), dtype=torch.int32, device=indptr.device)
         self._plan(qo_indptr, indptr, indices, last_page_len,
                    (num_qo_heads, num_kv_heads, head_dim, page_size), sm_scale, q_data_type,
                    kv_data_type, pos_encoding_mode)
 
 
+class FakeRaggedWrapper:
+    """Stand-in for the ragged prefill wrapper: causal attention of each request's new tokens
+    over its own new K/V (passed to `run`, never read from the pool)."""
+
+    def __init__(self, float_workspace_buffer, kv_layout="NHD"):
+        assert kv_layout == "NHD"
+        self.num_plans = 0
+
+    def plan(self, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim_qk, *, causal=False,
+             sm_scale=None, q_data_type=torch.float16, kv_data_type=None):
+        assert causal and torch.equal(qo_indptr, kv_indptr), "no prefix: queries and keys coincide"
+        assert qo_indptr.dtype == torch.int32
+        self.plan_args = (qo_indptr.tolist(), num_qo_heads, num_kv_heads, sm_scale or head_dim_qk**-0.5,
+                          q_data_type, kv_data_type or q_data_type)
+        self.num_plans += 1
+
+    def run(self, q, k, v):
+        indptr, H, KH, scale, qt, kvt = self.plan_args
+        assert q.dtype == qt and k.dtype == v.dtype == kvt and k.shape[1] == KH and q.shape[1] == H
+        out = torch.empty_like(q)
+        for a, b in zip(indptr, indptr[1:]):
+            qi, ki, vi = (t[a:b].transpose(0, 1).float() for t in (q, k, v))
+            oi = torch.nn.functional.scaled_dot_product_attention(qi[None], ki[None], vi[None], is_causal=True,
+                                                                  scale=scale, enable_gqa=H != KH)
+            out[a:b] = oi[0].transpose(0, 1).to(q.dtype)
+        return out
+
+
 @pytest.fixture
 def fake_flashinfer(monkeypatch):
     module = types.ModuleType("flashinfer")
+    module.BatchPrefillWithRaggedKVCacheWrapper = FakeRaggedWrapper
     module.BatchPrefillWithPagedKVCacheWrapper = FakePrefillWrapper
     module.BatchDecodeWithPagedKVCacheWrapper = FakeDecodeWrapper
     monkeypatch.setitem(sys.modules, "flashinfer", module)
     return module
 
 
-def make_case(device, page_size, q_heads, kv_heads, dtype, seed, store_dtype=None, scaling=None):
+def make_case(device, page_size, q_heads, kv_heads, dtype, seed, store_dtype=None, scaling=None,
+              no_prefix=False):
     prefix, extend = layouts.random_scenario(page_size, seed)
+    if no_prefix:
+        prefix = [0] * len(prefix)
     layout = layouts.build_layout(page_size, prefix, extend, seed, num_kv_heads=kv_heads,
                                   head_dim=HEAD_DIM, dtype=dtype, device=device,
                                   store_dtype=store_dtype)
@@ -133,11 +179,11 @@ def flashinfer_backend(layout, layer, dtype, workspace_bytes=128 * 1024 * 1024):
 
 
 def assert_close_to_torch_native(page_size, q_heads, kv_heads, dtype, store_dtype=None, scaling=None,
-                              atol=None, device="cuda", workspace_bytes=128 * 1024 * 1024):
+                              atol=None, device="cuda", workspace_bytes=128 * 1024 * 1024, no_prefix=False):
     """Run an extend and a few decodes through both backends; return the FlashInfer backend."""
     seed = random.Random(f"{page_size}-{q_heads}-{kv_heads}-{dtype}").randint(0, 1 << 16)
     layout, layer, gen = make_case(device, page_size, q_heads, kv_heads, dtype, seed,
-                                   store_dtype=store_dtype, scaling=scaling)
+                                   store_dtype=store_dtype, scaling=scaling, no_prefix=no_prefix)
     oracle = TorchNativeAttnBackend()
     candidate = flashinfer_backend(layout, layer, dtype, workspace_bytes)
     for fb in steps(layout, candidate):
@@ -189,6 +235,29 @@ def test_fp8_kv_is_passed_as_fp8_with_kv_data_type(fake_flashinfer):
     backend = assert_close_to_torch_native(4, 8, 2, torch.bfloat16, store_dtype=torch.float8_e4m3fn,
                                         device="cpu", workspace_bytes=1024, atol=3e-2)
     assert backend.kv_data_type == torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_extend_without_prefix_takes_the_ragged_kernel(fake_flashinfer, page_size):
+    backend = assert_close_to_torch_native(page_size, 8, 2, torch.bfloat16, device="cpu", workspace_bytes=1024,
+                                           no_prefix=True)
+    assert backend.ragged_wrapper.num_plans == 1 and backend.prefill_wrapper.num_plans == 0
+    assert backend.decode_wrapper.num_plans == DECODE_STEPS
+
+
+def test_extend_with_a_prefix_takes_the_paged_kernel(fake_flashinfer):
+    backend = assert_close_to_torch_native(4, 8, 2, torch.bfloat16, device="cpu", workspace_bytes=1024)
+    assert backend.prefill_wrapper.num_plans == 1 and backend.ragged_wrapper.num_plans == 0
+
+
+def test_float32_kv_under_a_half_model_is_refused_naming_the_flags(fake_flashinfer):
+    layout, layer, _ = make_case("cpu", 1, 4, 4, torch.bfloat16, seed=0, store_dtype=torch.float32)
+    with pytest.raises(ValueError) as err:
+        flashinfer_backend(layout, layer, torch.bfloat16)
+    message = str(err.value)
+    assert "float32 KV cache under a bfloat16 model" in message
+    for flag in ("--kv-cache-dtype auto", "fp8_e4m3", "--attention-backend torch_native"):
+        assert flag in message, message
 
 
 def test_float32_model_is_refused_with_the_flags_that_fix_it(fake_flashinfer):

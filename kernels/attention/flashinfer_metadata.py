@@ -10,9 +10,11 @@ last partial page before taking a new one), so the page id of positions `k*P .. 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import List, Optional, Sequence, Union
 
 import torch
+
+from kernels.device_utils import host_to_device
 
 Lengths = Union[Sequence[int], torch.Tensor]
 
@@ -43,15 +45,16 @@ class FlashInferMetadata:
         return self.kv_indices.numel()
 
 
-def _host_lengths(lengths: Lengths) -> torch.Tensor:
-    """Lengths as a CPU int64 tensor; pass host lists (`seq_lens_cpu`) to avoid a device sync."""
+def _host_lengths(lengths: Lengths) -> List[int]:
+    """Lengths on the host; pass host lists (`seq_lens_cpu`): a device tensor here is read back."""
     if isinstance(lengths, torch.Tensor):
-        return lengths.detach().to("cpu", torch.int64)
-    return torch.tensor(list(lengths), dtype=torch.int64)
+        return [int(x) for x in lengths.detach().to("cpu", torch.int64).tolist()]
+    return [int(x) for x in lengths]
 
 
 def _indptr(counts: torch.Tensor) -> torch.Tensor:
-    out = torch.zeros(counts.numel() + 1, dtype=torch.int64)
+    """`[0, c0, c0 + c1, ...]` on the device of `counts` (int64)."""
+    out = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=counts.device)
     torch.cumsum(counts, 0, out=out[1:])
     return out
 
@@ -61,35 +64,32 @@ def build_page_table(
     req_pool_indices: torch.Tensor,
     seq_lens: Lengths,
     page_size: int,
+    seq_lens_dev: Optional[torch.Tensor] = None,
 ):
     """Return `(kv_indptr, kv_indices, kv_last_page_len)` for requests of lengths `seq_lens`.
 
+    Built on the device from `seq_lens_dev` (the step's device lengths; made from `seq_lens`
+    when absent); the host lengths only give the total page count, so nothing is read back.
     One vectorized gather: every page of the batch is tagged with its request (`owner`) and its
     ordinal within that request, which names the column `ordinal * page_size` to read.
     """
-    seq = _host_lengths(seq_lens)
-    assert seq.numel() == req_pool_indices.numel(), "one seq_len per request"
-    assert bool((seq >= 1).all()), f"every request needs at least one KV token, got {seq.tolist()}"
+    host = _host_lengths(seq_lens)
+    assert len(host) == req_pool_indices.numel(), "one seq_len per request"
+    assert all(s >= 1 for s in host), f"every request needs at least one KV token, got {host}"
     device = req_to_token.device
-    num_pages = (seq + page_size - 1) // page_size
+    seq = host_to_device(host, torch.int64, device) if seq_lens_dev is None else seq_lens_dev.to(device, torch.int64)
+    total = sum(-(-s // page_size) for s in host)
+    num_pages = torch.div(seq + page_size - 1, page_size, rounding_mode="floor")
     kv_indptr = _indptr(num_pages)
-    total = int(kv_indptr[-1])
 
-    bs = seq.numel()
-    owner = torch.repeat_interleave(
-        torch.arange(bs, device=device), num_pages.to(device), output_size=total
-    )
-    first_page = kv_indptr[:-1].to(device)
-    ordinal = torch.arange(total, device=device) - first_page[owner]
+    bs = len(host)
+    owner = torch.repeat_interleave(torch.arange(bs, device=device), num_pages, output_size=total)
+    ordinal = torch.arange(total, device=device) - kv_indptr[:-1][owner]
     rows = req_pool_indices.to(device=device, dtype=torch.int64)[owner]
     kv_indices = torch.div(req_to_token[rows, ordinal * page_size], page_size, rounding_mode="floor")
 
     kv_last_page_len = (seq - 1) % page_size + 1
-    return (
-        kv_indptr.to(device=device, dtype=torch.int32),
-        kv_indices.to(torch.int32),
-        kv_last_page_len.to(device=device, dtype=torch.int32),
-    )
+    return kv_indptr.to(torch.int32), kv_indices.to(torch.int32), kv_last_page_len.to(torch.int32)
 
 
 def build_extend_metadata(
@@ -98,17 +98,17 @@ def build_extend_metadata(
     seq_lens: Lengths,
     extend_lens: Lengths,
     page_size: int,
+    seq_lens_dev: Optional[torch.Tensor] = None,
 ) -> FlashInferMetadata:
     """Extend step: `extend_lens[i]` new tokens at the end of `seq_lens[i]` (prefix included)."""
     ext = _host_lengths(extend_lens)
     seq = _host_lengths(seq_lens)
-    assert bool(((ext >= 0) & (ext <= seq)).all()), (
-        f"extend lens {ext.tolist()} must lie in 0..seq_len {seq.tolist()}"
-    )
+    assert all(0 <= e <= s for e, s in zip(ext, seq)), f"extend lens {ext} must lie in 0..seq_len {seq}"
     kv_indptr, kv_indices, kv_last_page_len = build_page_table(
-        req_to_token, req_pool_indices, seq, page_size
+        req_to_token, req_pool_indices, seq, page_size, seq_lens_dev
     )
-    qo_indptr = _indptr(ext).to(device=req_to_token.device, dtype=torch.int32)
+    device = req_to_token.device
+    qo_indptr = _indptr(host_to_device(ext, torch.int64, device)).to(torch.int32)
     return FlashInferMetadata(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, page_size)
 
 
@@ -117,10 +117,11 @@ def build_decode_metadata(
     req_pool_indices: torch.Tensor,
     seq_lens: Lengths,
     page_size: int,
+    seq_lens_dev: Optional[torch.Tensor] = None,
 ) -> FlashInferMetadata:
     """Decode step: one query per request at position `seq_lens[i] - 1` (seq_lens include it)."""
     kv_indptr, kv_indices, kv_last_page_len = build_page_table(
-        req_to_token, req_pool_indices, seq_lens, page_size
+        req_to_token, req_pool_indices, seq_lens, page_size, seq_lens_dev
     )
     bs = kv_last_page_len.numel()
     qo_indptr = torch.arange(bs + 1, dtype=torch.int32, device=req_to_token.device)
@@ -128,10 +129,11 @@ def build_decode_metadata(
 
 
 def build_forward_metadata(fb, page_size: int) -> FlashInferMetadata:
-    """Metadata of a `ForwardBatch`, read from its host-side lengths."""
+    """Metadata of a `ForwardBatch`: device tensors from its device lengths, sizes from its host
+    lengths (no device-to-host copy)."""
     req_to_token = fb.req_to_token_pool.req_to_token
     if fb.forward_mode.is_decode():
-        return build_decode_metadata(req_to_token, fb.req_pool_indices, fb.seq_lens_cpu, page_size)
+        return build_decode_metadata(req_to_token, fb.req_pool_indices, fb.seq_lens_cpu, page_size, fb.seq_lens)
     return build_extend_metadata(
-        req_to_token, fb.req_pool_indices, fb.seq_lens_cpu, fb.extend_seq_lens_cpu, page_size
+        req_to_token, fb.req_pool_indices, fb.seq_lens_cpu, fb.extend_seq_lens_cpu, page_size, fb.seq_lens
     )

@@ -11,7 +11,7 @@ import itertools
 import torch
 from torch import nn
 
-from srt.utils.device_utils import host_to_device
+from kernels.device_utils import host_to_device
 
 if TYPE_CHECKING:
     from srt.model_executor.forward_batch_info import ForwardBatch

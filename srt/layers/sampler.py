@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from srt.sampling.sampling_batch_info import SamplingBatchInfo
-from srt.utils.device_utils import host_to_device
+from kernels.device_utils import host_to_device
 
 _MASK32 = 0xFFFFFFFF
 _MASK16 = 0xFFFF

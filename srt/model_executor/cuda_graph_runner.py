@@ -24,7 +24,7 @@ import torch
 
 from srt.layers.logits_processor import LogitsProcessorOutput
 from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
-from srt.utils.device_utils import is_cuda
+from kernels.device_utils import is_cuda
 
 logger = logging.getLogger(__name__)
 
@@ -112,8 +112,7 @@ class CudaGraphRunner:
         self.outputs: Dict[int, LogitsProcessorOutput] = {}
         self.capture_seconds = 0.0
         self.capture_bytes = 0
-        if self.use_cuda_graph:
-            self.capture()
+        self.capture()
 
     # ------------------------------------------------------------------ helpers
     def can_run(self, fb: ForwardBatch) -> bool:
@@ -149,6 +148,12 @@ class CudaGraphRunner:
 
     # ------------------------------------------------------------------ capture
     def capture(self) -> None:
+        """Capture every bucket (largest first). Without CUDA graphs only the backend's capture
+        hook runs per bucket (it sets up what a replay of that size refills)."""
+        if not self.use_cuda_graph:
+            for bs in self.capture_bs:
+                self.attn_backend.init_forward_metadata_capture_cuda_graph(bs, self._static_batch(bs, [1] * bs, [0] * bs))
+            return
         from tqdm import tqdm
 
         torch.cuda.synchronize(self.device)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Union
 
 import torch
 
-from srt.utils.device_utils import host_to_device
+from kernels.device_utils import host_to_device
 
 if TYPE_CHECKING:
     from kernels.attention.base_attn_backend import AttentionBackend

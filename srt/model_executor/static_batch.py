@@ -14,7 +14,7 @@ import torch
 from srt.layers.logits_processor import LogitsProcessorOutput
 from srt.model_executor.forward_batch_info import ForwardBatch
 from srt.model_executor.model_runner import ModelRunner
-from srt.utils.device_utils import host_to_device
+from kernels.device_utils import host_to_device
 
 
 class StaticBatch:

@@ -13,7 +13,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from srt.sampling.sampling_params import SamplingParams
-from srt.utils.device_utils import host_to_device
+from kernels.device_utils import host_to_device
 
 
 def count_output_tokens(

@@ -17,7 +17,7 @@ import torch
 
 from srt.sampling.penaltylib import PenaltyState
 from srt.sampling.sampling_params import SamplingParams, fold_seed
-from srt.utils.device_utils import host_to_device
+from kernels.device_utils import host_to_device
 
 Indices = Union[torch.Tensor, Sequence[int]]
 

@@ -1,4 +1,4 @@
-"""Host-to-device transfers for the per-step tensors built from Python lists.
+"""Host-to-device transfers for the per-step tensors built from Python lists (any layer may use it).
 
 Every hot-path tensor names its device. Tensors built on the host from scheduler state are
 created on `device="cpu"` on purpose and, when the target is a GPU, in pinned memory so the

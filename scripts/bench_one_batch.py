@@ -2,6 +2,15 @@
 
     python scripts/bench_one_batch.py --preset llama-100m
     python scripts/bench_one_batch.py --model-path DIR --batch-sizes 1 8 --input-lens 128
+    python scripts/bench_one_batch.py --preset llama-100m --no-hf --decode-modes eager compile
+    python scripts/bench_one_batch.py --preset llama-1b --dtype bfloat16 --no-hf --decode-modes eager graph
+
+`--decode-modes` measures decode once per mode, side by side on the same runner and inputs:
+`eager` (the plain forward), `graph` (the CUDA-graph runner: captured graphs on CUDA, its eager
+replay of padded static buffers on CPU, which gathers the full context width and is only a
+test path there), `compile` (as --enable-torch-compile: compiled buckets inside the graphs on
+CUDA, the dynamic-shape compiled forward on CPU). On CUDA the table adds the memory-bandwidth roofline:
+weight bytes read per decode step / --peak-bandwidth-tbs, as a fraction of the measured step.
 
 Both runtimes get the same weights (HF's seeded random init, copied into ours for presets)
 and the same inputs; the table prints tokens/s and our/HF ratios measured in one run.
@@ -23,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
+from srt.model_executor.cuda_graph_runner import CudaGraphRunner  # noqa: E402
 from srt.model_executor.model_runner import ModelRunner  # noqa: E402
 from srt.model_executor.static_batch import StaticBatch  # noqa: E402
 from srt.server_args import ServerArgs  # noqa: E402
@@ -32,6 +42,8 @@ PRESETS = {
                  num_key_value_heads=2, vocab_size=1024),
     "llama-100m": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
                        num_key_value_heads=4, vocab_size=32000),
+    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0),
     "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                          num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0),
 }
@@ -92,6 +104,10 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers side")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    p.add_argument("--decode-modes", nargs="+", choices=["eager", "graph", "compile"], default=None,
+                   help="measure decode in each mode side by side (see the module docstring); no HF")
+    p.add_argument("--peak-bandwidth-tbs", type=float, default=4.8, help="memory bandwidth for the roofline (H200: 4.8)")
+    p.add_argument("--json-out", help="also write the rows as JSON here")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -102,9 +118,12 @@ def main() -> None:
         path, load_format = args.model_path, "auto"
     else:
         path, load_format = str(write_preset(args.preset, Path(tmp.name), max(4096, max_len))), "dummy"
-    sa = ServerArgs(model_path=path, dtype=args.dtype, device=args.device, load_format=load_format)
+    sa = ServerArgs(model_path=path, dtype=args.dtype, device=args.device, load_format=load_format,
+                    disable_cuda_graph=True)  # graphs are built per mode below
     T = max(args.batch_sizes) * max_len + 64
     runner = ModelRunner(sa, max_total_tokens=T, max_running_requests=max(args.batch_sizes))
+    if args.decode_modes:
+        return bench_modes(runner, args, max_len)
     hf = None
     if not args.no_hf:
         torch.manual_seed(0)
@@ -136,6 +155,68 @@ def main() -> None:
                 row += (f" {bs * L / h_pre:,.0f} | {bs / h_step:,.1f} | {h_pre / t_pre:.2f} | "
                         f"{h_step / t_step:.2f} |")
             print(row, flush=True)
+
+
+def weight_bytes(runner: ModelRunner) -> int:
+    """Bytes a decode step reads at least once: every parameter (a tied LM head counts once)."""
+    seen = {}
+    for p in runner.model.parameters():
+        seen[p.data_ptr()] = p.numel() * p.element_size()
+    return sum(seen.values())
+
+
+def bench_modes(runner: ModelRunner, args, max_len: int) -> None:
+    """Decode step time per mode on the same runner and prompts; ratios against `eager`."""
+    vocab, dev = runner.model_config.vocab_size, runner.device
+    on_cuda = dev.startswith("cuda")
+    wbytes = weight_bytes(runner)
+    capture = sorted(set(args.batch_sizes))
+    runners = {}
+    compiled = None
+    for mode in args.decode_modes:
+        t0 = time.perf_counter()
+        if mode == "eager" or (mode == "compile" and not on_cuda):
+            runners[mode] = None
+            if mode == "compile":
+                runner.init_torch_compile()
+                compiled, runner.compiled_forward = runner.compiled_forward, None
+        else:
+            runners[mode] = CudaGraphRunner(runner, capture_bs=capture, use_cuda_graph=on_cuda,
+                                            enable_torch_compile=mode == "compile")
+        print(f"# {mode}: set up in {time.perf_counter() - t0:.1f} s", flush=True)
+    print(f"# bench_one_batch --decode-modes: {args.model_path or args.preset}, {args.dtype}, {dev}, "
+          f"threads={torch.get_num_threads()}, output_len={args.output_len}, attention={runner.attention_backend_name}, "
+          f"weights {wbytes / 1e9:.3f} GB")
+    head = "| batch | input | mode | prefill tok/s | decode tok/s | decode step ms | x eager |"
+    if on_cuda:
+        head += " roofline ms | % of roofline |"
+    print(head)
+    print("|" + "---|" * (head.count("|") - 1))
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    for L in args.input_lens:
+        for bs in args.batch_sizes:
+            prompts = torch.randint(3, vocab, (bs, L), generator=g).tolist()
+            base = None
+            for mode in args.decode_modes:
+                runner.graph_runner = runners[mode]
+                runner.compiled_forward = compiled if mode == "compile" else None
+                bench_ours(runner, prompts, 3)  # warm-up (and the first compile of this size)
+                t_pre, t_step = bench_ours(runner, prompts, args.output_len)
+                base = t_step if mode == "eager" or base is None else base
+                row = dict(batch=bs, input=L, mode=mode, prefill_tok_s=bs * L / t_pre, decode_tok_s=bs / t_step,
+                           step_ms=t_step * 1e3, x_eager=base / t_step)
+                line = (f"| {bs} | {L} | {mode} | {row['prefill_tok_s']:,.0f} | {row['decode_tok_s']:,.1f} | "
+                        f"{row['step_ms']:.2f} | {row['x_eager']:.2f} |")
+                if on_cuda:
+                    roof = wbytes / (args.peak_bandwidth_tbs * 1e12)
+                    row.update(roofline_ms=roof * 1e3, roofline_fraction=roof / t_step)
+                    line += f" {roof * 1e3:.3f} | {100 * roof / t_step:.0f}% |"
+                rows.append(row)
+                print(line, flush=True)
+    runner.graph_runner = runner.compiled_forward = None
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

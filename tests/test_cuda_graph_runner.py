@@ -108,3 +108,27 @@ def test_scheduler_with_graph_runner_matches_plain(llama_model, monkeypatch, con
     lp, lp_plain = got["logprobs"]["meta"], expected["logprobs"]["meta"]
     for (a, ta), (b, tb) in zip(lp["output_token_logprobs"], lp_plain["output_token_logprobs"]):
         assert ta == tb and a == pytest.approx(b, abs=1e-5)
+
+
+def test_torch_compile_decode_on_cpu_matches_eager(llama_model):
+    """--enable-torch-compile on CPU: decode batches up to --torch-compile-max-bs run the compiled
+    forward (dynamic shapes); greedy outputs equal the eager ones, larger batches stay eager."""
+    plain = Harness(llama_model)
+    compiled = Harness(llama_model, enable_torch_compile=True, torch_compile_max_bs=2)
+    assert compiled.runner.compiled_forward is not None and compiled.runner.graph_runner is None
+    calls = []
+    real = compiled.runner.compiled_forward
+    compiled.runner.compiled_forward = lambda *a: (calls.append(a[2].batch_size), real(*a))[1]
+    vocab = plain.runner.model_config.vocab_size
+    prompts = random_prompts(vocab, [7, 12, 5], seed=9)
+    for h in (plain, compiled):
+        for i, p in enumerate(prompts[:2]):  # two requests: compiled decode
+            h.submit(f"a{i}", p, max_new_tokens=6, temperature=0, ignore_eos=True)
+        h.run()
+        for i, p in enumerate(prompts):  # three: above the max bs, eager
+            h.submit(f"b{i}", p, max_new_tokens=4, temperature=0, ignore_eos=True)
+        h.run()
+        h.assert_conserved()
+    assert {k: v["output_ids"] for k, v in compiled.finals().items()} == \
+        {k: v["output_ids"] for k, v in plain.finals().items()}
+    assert calls and max(calls) <= 2

@@ -85,7 +85,7 @@ def graph_reserve_bytes(server_args, model_config, device_kind: str, backend: st
 
 class CudaGraphRunner:
     def __init__(self, model_runner, capture_bs: Optional[List[int]] = None,
-                 use_cuda_graph: Optional[bool] = None):
+                 use_cuda_graph: Optional[bool] = None, enable_torch_compile: Optional[bool] = None):
         self.model_runner = model_runner
         args = model_runner.server_args
         self.device = torch.device(model_runner.device)
@@ -93,7 +93,7 @@ class CudaGraphRunner:
         self.capture_bs = sorted(capture_bs or get_batch_sizes_to_capture(args, model_runner.max_running_requests))
         self.max_bs = max(self.capture_bs)
         self.compile_bs = set()
-        if args.enable_torch_compile:
+        if args.enable_torch_compile if enable_torch_compile is None else enable_torch_compile:
             self.compile_bs = {b for b in self.capture_bs if b <= args.torch_compile_max_bs}
         self.max_kv_len = model_runner.req_to_token_pool.req_to_token.shape[1]
         self.attn_backend = model_runner.attn_backend

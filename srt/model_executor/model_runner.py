@@ -64,6 +64,7 @@ class ModelRunner:
         self.attn_backend = create_attention_backend(self.attention_backend_name, self)
         self.sampler = Sampler()
         self.graph_runner: Optional[CudaGraphRunner] = None
+        self.compiled_forward = None
         self.init_cuda_graphs()
 
     def init_cuda_graphs(self) -> None:
@@ -71,10 +72,18 @@ class ModelRunner:
         on CPU only with --enable-torch-compile (the runner's eager replay of compiled buckets)."""
         args = self.server_args
         on_cuda = self.device.startswith("cuda")
+        self.compiled_forward = None
         if on_cuda and not args.disable_cuda_graph:
             self.graph_runner = CudaGraphRunner(self)
         elif args.enable_torch_compile:
-            self.graph_runner = CudaGraphRunner(self, use_cuda_graph=False)
+            self.init_torch_compile()
+
+    def init_torch_compile(self) -> None:
+        """torch.compile the eager decode forward (CPU, or CUDA without graphs): dynamic shapes,
+        so batch sizes and KV lengths share one compiled graph; used up to --torch-compile-max-bs."""
+        logger.info("torch.compile: decode batches up to %d use the compiled forward (the first ones compile).",
+                    self.server_args.torch_compile_max_bs)
+        self.compiled_forward = torch.compile(self.model.forward, dynamic=True)
 
     def _size_kv_pool(self, pre: Optional[MemoryReading], max_total_tokens: Optional[int],
                       max_running_requests: Optional[int]) -> KVBudget:
@@ -120,7 +129,11 @@ class ModelRunner:
         if self.graph_runner is not None and self.graph_runner.can_run(fb):
             return self.graph_runner.replay(fb)
         self.attn_backend.init_forward_metadata(fb)
-        return self.model.forward(fb.input_ids, fb.positions, fb)
+        forward = self.model.forward
+        if (self.compiled_forward is not None and fb.forward_mode.is_decode()
+                and fb.batch_size <= self.server_args.torch_compile_max_bs):
+            forward = self.compiled_forward
+        return forward(fb.input_ids, fb.positions, fb)
 
     @torch.inference_mode()
     def sample(self, logits_output: LogitsProcessorOutput, fb: ForwardBatch, **logprob_kwargs) -> SampleOutput:

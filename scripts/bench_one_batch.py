@@ -42,8 +42,9 @@ PRESETS = {
                  num_key_value_heads=2, vocab_size=1024),
     "llama-100m": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
                        num_key_value_heads=4, vocab_size=32000),
+    # Llama 3.2 1B's shapes (1.24B parameters, tied embeddings).
     "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                     num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0),
+                     num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, tie_word_embeddings=True),
     "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                          num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0),
 }
@@ -51,7 +52,8 @@ PRESETS = {
 
 def write_preset(name: str, out: Path, context: int) -> Path:
     cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", max_position_embeddings=context,
-               rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, **PRESETS[name])
+               rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    cfg.update(PRESETS[name])
     (out / "config.json").write_text(json.dumps(cfg))
     return out
 

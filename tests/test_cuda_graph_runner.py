@@ -132,3 +132,22 @@ def test_torch_compile_decode_on_cpu_matches_eager(llama_model):
     assert {k: v["output_ids"] for k, v in compiled.finals().items()} == \
         {k: v["output_ids"] for k, v in plain.finals().items()}
     assert calls and max(calls) <= 2
+
+
+def test_failed_capture_names_the_batch_size_and_the_flags_that_skip_it(llama_model, monkeypatch):
+    runner = make_runner(llama_model, max_total_tokens=1024, max_running_requests=8)
+    for name in ("synchronize", "graph_pool_handle", "Stream"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (1 << 30, 1 << 31))
+
+    def fail(self, bs):
+        if bs == 4:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(CudaGraphRunner, "_capture_one", fail)
+    with pytest.raises(RuntimeError) as err:
+        CudaGraphRunner(runner, capture_bs=[1, 2, 4, 8], use_cuda_graph=True)
+    message = str(err.value)
+    assert message.startswith("CUDA graph capture failed at batch size 4: OutOfMemoryError: CUDA out of memory")
+    for flag in ("--disable-cuda-graph", "--cuda-graph-max-bs", "--cuda-graph-bs"):
+        assert flag in message

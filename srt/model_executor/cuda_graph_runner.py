@@ -156,20 +156,21 @@ class CudaGraphRunner:
             return
         from tqdm import tqdm
 
-        torch.cuda.synchronize(self.device)
-        free_before = torch.cuda.mem_get_info(self.device)[0]
         start = time.perf_counter()
-        self.graph_pool = torch.cuda.graph_pool_handle()
-        self.stream = torch.cuda.Stream(self.device)
-        sizes = list(reversed(self.capture_bs))  # largest first: the others reuse its pool
+        bs = self.capture_bs[-1]
         try:
-            for bs in tqdm(sizes, desc="Capturing CUDA graphs", unit="bs"):
-                self._capture_one(bs)
+            torch.cuda.synchronize(self.device)
+            free_before = torch.cuda.mem_get_info(self.device)[0]
+            self.graph_pool = torch.cuda.graph_pool_handle()
+            self.stream = torch.cuda.Stream(self.device)
+            for bs in tqdm(list(reversed(self.capture_bs)), desc="Capturing CUDA graphs", unit="bs"):
+                self._capture_one(bs)  # largest first: the smaller ones reuse its memory pool
+            torch.cuda.synchronize(self.device)
+            self.capture_bytes = max(free_before - torch.cuda.mem_get_info(self.device)[0], 0)
         except Exception as exc:
-            raise RuntimeError(f"CUDA graph capture failed at batch size {bs}: {exc}. {SKIP_HINT}") from exc
-        torch.cuda.synchronize(self.device)
+            raise RuntimeError(f"CUDA graph capture failed at batch size {bs}: {type(exc).__name__}: {exc}. "
+                               f"{SKIP_HINT}") from exc
         self.capture_seconds = time.perf_counter() - start
-        self.capture_bytes = max(free_before - torch.cuda.mem_get_info(self.device)[0], 0)
         logger.info("Captured CUDA graphs for batch sizes %s in %.1f s, using %.2f GiB.",
                     self.capture_bs, self.capture_seconds, self.capture_bytes / (1 << 30))
         if self.capture_seconds > SLOW_CAPTURE_SECONDS:

@@ -17,6 +17,7 @@ DEVICE_CHOICES = ("auto", "cpu", "cuda")
 LOAD_FORMAT_CHOICES = ("auto", "safetensors", "dummy")
 ATTENTION_BACKEND_CHOICES = ("auto", "torch_native", "flashinfer")
 SCHEDULE_POLICY_CHOICES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
+LOAD_BALANCE_CHOICES = ("round_robin", "shortest_queue")
 LOG_LEVEL_CHOICES = ("debug", "info", "warning", "error", "critical")
 
 # The embedded default model (package data built by scripts/train_demo_model.py).
@@ -56,6 +57,11 @@ def _cli_context_length(value: str) -> Optional[int]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _is_host_port(text: str) -> bool:
+    host, _, port = text.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536
+
+
 def _opt(default: Any, help: str, choices: Optional[Sequence[str]] = None, **extra: Any):
     return field(default=default, metadata={"help": help, "choices": choices, **extra})
 
@@ -74,6 +80,18 @@ class ServerArgs:
     page_size: int = _opt(1, "Tokens per KV page.")
     attention_backend: str = _opt("auto", "auto = flashinfer on CUDA when installed, else torch_native.",
                                   ATTENTION_BACKEND_CHOICES)
+    # Scale-out (torch.distributed: gloo on CPU, NCCL on CUDA).
+    tp_size: int = _opt(1, "Tensor-parallel size: ranks (one process each) that split every layer.",
+                        aliases=("--tp",))
+    dp_size: int = _opt(1, "Data-parallel size: scheduler replicas, each with its own KV pool and radix cache.",
+                        aliases=("--dp",))
+    load_balance_method: str = _opt("round_robin", "How the data-parallel controller picks a replica.",
+                                    LOAD_BALANCE_CHOICES)
+    nnodes: int = _opt(1, "Number of nodes the TP ranks span (node 0 serves HTTP).")
+    node_rank: int = _opt(0, "This node's index in 0 .. --nnodes - 1.")
+    dist_init_addr: Optional[str] = _opt(
+        None, "host:port of the torch.distributed rendezvous (required with --nnodes > 1; default: a free "
+        "local port).")
     # CUDA graphs and torch.compile (decode).
     disable_cuda_graph: bool = _opt(False, "Run decode eagerly on CUDA instead of replaying captured CUDA graphs.")
     cuda_graph_max_bs: Optional[int] = _opt(
@@ -143,6 +161,23 @@ class ServerArgs:
                 raise ValueError(
                     f"Invalid --{f.name.replace('_', '-')} {value!r}. Accepted values: {', '.join(choices)}."
                 )
+        for name in ("tp_size", "dp_size", "nnodes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}.")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be in [0, --nnodes={self.nnodes}), got {self.node_rank}.")
+        if self.nnodes > 1:
+            if not self.dist_init_addr:
+                raise ValueError("--nnodes > 1 needs --dist-init-addr host:port (the same on every node; node 0's "
+                                 "address).")
+            if self.tp_size % self.nnodes:
+                raise ValueError(f"--tp-size {self.tp_size} must be a multiple of --nnodes {self.nnodes} "
+                                 f"(every node runs the same number of ranks).")
+            if self.dp_size > 1:
+                raise ValueError("--dp-size > 1 with --nnodes > 1 is not supported: run one server per node "
+                                 "and put sglang-router in front of them.")
+        if self.dist_init_addr is not None and not _is_host_port(self.dist_init_addr):
+            raise ValueError(f"--dist-init-addr must be host:port, got {self.dist_init_addr!r}.")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError(f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}.")
         if self.cuda_graph_bs is not None and (not self.cuda_graph_bs or min(self.cuda_graph_bs) < 1):
@@ -195,7 +230,7 @@ class ServerArgs:
                 kwargs["type"] = int
             elif f.type in ("float", float, "Optional[float]"):
                 kwargs["type"] = float
-            parser.add_argument(flag, **kwargs)
+            parser.add_argument(flag, *meta.get("aliases", ()), dest=f.name, **kwargs)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":

@@ -55,8 +55,8 @@ class FlashInferAttnBackend(AttentionBackend):
         pool = model_runner.token_to_kv_pool
         self.device = torch.device(model_runner.device)
         self.page_size = int(model_runner.page_size)
-        self.num_qo_heads = int(cfg.num_attention_heads)
-        self.num_kv_heads = int(cfg.num_key_value_heads)
+        self.num_qo_heads = int(getattr(model_runner, "num_qo_heads_per_rank", cfg.num_attention_heads))
+        self.num_kv_heads = int(getattr(model_runner, "num_kv_heads_per_rank", cfg.num_key_value_heads))
         self.head_dim = int(cfg.head_dim)
         self.q_data_type = model_runner.dtype
         self.kv_data_type = getattr(pool, "store_dtype", model_runner.dtype)

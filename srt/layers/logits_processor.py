@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from kernels.device_utils import host_to_device
+from srt.distributed.parallel_state import tensor_model_parallel_all_gather
 
 if TYPE_CHECKING:
     from srt.model_executor.forward_batch_info import ForwardBatch
@@ -32,14 +33,20 @@ class LogitsProcessor(nn.Module):
         super().__init__()
         self.vocab_size = vocab_size
 
+    def _logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """fp32 logits over the whole vocabulary: this rank's slice, gathered over the TP ranks
+        (rank order = vocabulary order) and cut to the real vocabulary (no padding rows)."""
+        logits = tensor_model_parallel_all_gather((hidden @ weight.T).float(), dim=-1)
+        return logits[:, : self.vocab_size] if logits.shape[-1] != self.vocab_size else logits
+
     def forward(self, hidden_states: torch.Tensor, lm_head: nn.Module, fb: "ForwardBatch") -> LogitsProcessorOutput:
         weight = lm_head.weight
         if fb.forward_mode.is_decode():
-            return LogitsProcessorOutput((hidden_states @ weight.T).float())
+            return LogitsProcessorOutput(self._logits(hidden_states, weight))
         ext = fb.extend_seq_lens_cpu
         device = hidden_states.device
         ends = list(itertools.accumulate(ext))
-        last = (hidden_states[host_to_device([e - 1 for e in ends], torch.int64, device)] @ weight.T).float()
+        last = self._logits(hidden_states[host_to_device([e - 1 for e in ends], torch.int64, device)], weight)
         starts = fb.extend_logprob_start_lens_cpu
         if starts is None:
             return LogitsProcessorOutput(last)
@@ -49,5 +56,5 @@ class LogitsProcessor(nn.Module):
             idx.extend(range(offset + s, offset + n))
             lens.append(n - s)
             offset += n
-        full = (hidden_states[host_to_device(idx, torch.int64, device)] @ weight.T).float()
+        full = self._logits(hidden_states[host_to_device(idx, torch.int64, device)], weight)
         return LogitsProcessorOutput(last, full, lens)

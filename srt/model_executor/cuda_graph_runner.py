@@ -62,7 +62,7 @@ def cuda_graph_reserve_bytes(model_config, max_bs: int, max_kv_len: int, dtype: 
     hidden, inter = model_config.hidden_size, model_config.intermediate_size
     per_row = 3 * 4 * model_config.vocab_size + elt * (8 * hidden + 3 * inter)
     if backend == "torch_native":
-        per_row += 2 * elt * max_kv_len * model_config.num_key_value_heads * model_config.head_dim
+        per_row += 2 * elt * max_kv_len * model_config.num_key_value_heads * model_config.head_dim  # tp = 1: upper bound
         per_row += 8 * max_kv_len  # int64 gather indices
     return 64 * (1 << 20) + max_bs * per_row
 

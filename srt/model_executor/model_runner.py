@@ -14,6 +14,8 @@ from mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from srt.configs.model_config import ModelConfig
 from srt.layers.logits_processor import LogitsProcessorOutput
 from srt.layers.sampler import SampleOutput, Sampler
+from srt.distributed.parallel_state import all_reduce_min_int, broadcast_tensor, init_tp_group
+from srt.distributed.tp_config import check_tp_size, num_kv_heads_per_rank
 from srt.model_executor.cuda_graph_runner import CudaGraphRunner, graph_reserve_bytes
 from srt.model_executor.forward_batch_info import ForwardBatch
 from srt.model_executor.memory_sizing import (
@@ -45,17 +47,28 @@ class ModelRunner:
     """
 
     def __init__(self, server_args: ServerArgs, max_total_tokens: Optional[int] = None,
-                 max_running_requests: Optional[int] = None, model_config: Optional[ModelConfig] = None):
+                 max_running_requests: Optional[int] = None, model_config: Optional[ModelConfig] = None,
+                 tp_rank: int = 0, dist_init_method: Optional[str] = None, gpu_id: Optional[int] = None):
         self.server_args = server_args
+        self.tp_size, self.tp_rank = server_args.tp_size, tp_rank
         self.device = resolve_device(server_args.device)
+        if self.device == "cuda" and (gpu_id is not None or self.tp_size > 1):
+            self.device = f"cuda:{tp_rank if gpu_id is None else gpu_id}"
+            torch.cuda.set_device(self.device)
         self.page_size = server_args.page_size
         torch.manual_seed(server_args.random_seed)
         self.model_config = model_config or ModelConfig.from_server_args(server_args)
         self.dtype = self.model_config.dtype
+        cfg = self.model_config
+        check_tp_size(cfg, self.tp_size)
+        self.num_qo_heads_per_rank = cfg.num_attention_heads // self.tp_size
+        self.num_kv_heads_per_rank = num_kv_heads_per_rank(cfg.num_key_value_heads, self.tp_size)
+        if self.tp_size > 1:
+            init_tp_group(self.tp_size, tp_rank, dist_init_method, self.device)
         self.attention_backend_name = resolve_attention_backend(server_args.attention_backend, self.device, self.dtype)
         pre = read_free_memory(self.device) if max_total_tokens is None else None
         self.model = get_model(self.model_config, server_args.load_format, self.device, server_args.random_seed)
-        self.kv_budget = self._size_kv_pool(pre, max_total_tokens, max_running_requests)
+        self.kv_budget = self._agree_over_ranks(self._size_kv_pool(pre, max_total_tokens, max_running_requests))
         self.kv_budget.log()
         self.max_req_len = self.kv_budget.max_req_len
         self.max_req_input_len = self.kv_budget.max_req_input_len
@@ -89,7 +102,7 @@ class ModelRunner:
                       max_running_requests: Optional[int]) -> KVBudget:
         args, cfg = self.server_args, self.model_config
         kind = "cuda" if self.device.startswith("cuda") else "cpu"
-        cell = MHATokenToKVPool.cell_size_bytes(cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers,
+        cell = MHATokenToKVPool.cell_size_bytes(self.num_kv_heads_per_rank, cfg.head_dim, cfg.num_hidden_layers,
                                                 cfg.kv_cache_dtype)
         if pre is None:
             budget = fixed_kv_budget(max_total_tokens, args.max_running_requests, cell, self.page_size,
@@ -107,6 +120,20 @@ class ModelRunner:
             budget = dataclasses.replace(budget, max_running_requests=max_running_requests, running_bound=bound)
         return budget
 
+    def _agree_over_ranks(self, budget: KVBudget) -> KVBudget:
+        """TP: every rank must admit the same work, so the pool is the minimum over the ranks
+        (all-reduced at start-up) and the request limits follow from it."""
+        if self.tp_size == 1:
+            return budget
+        total, running = all_reduce_min_int([budget.max_total_num_tokens, budget.max_running_requests])
+        if (total, running) == (budget.max_total_num_tokens, budget.max_running_requests):
+            return budget
+        cfg = self.model_config
+        kind = "cuda" if self.device.startswith("cuda") else "cpu"
+        agreed = fixed_kv_budget(total, running, budget.cell_size, self.page_size, cfg.context_len, kind)
+        return dataclasses.replace(agreed, total_bound=f"the smallest pool over {self.tp_size} TP ranks "
+                                   f"({budget.total_bound} on this rank)")
+
     def init_memory_pool(self, max_total_tokens: int, max_running_requests: int) -> None:
         P = self.page_size
         T = max_total_tokens // P * P
@@ -116,7 +143,7 @@ class ModelRunner:
         cfg = self.model_config
         self.req_to_token_pool = ReqToTokenPool(max_running_requests, cfg.context_len + 4, self.device)
         self.token_to_kv_pool = MHATokenToKVPool(
-            T, P, self.dtype, cfg.kv_cache_dtype, cfg.num_key_value_heads, cfg.head_dim,
+            T, P, self.dtype, cfg.kv_cache_dtype, self.num_kv_heads_per_rank, cfg.head_dim,
             cfg.num_hidden_layers, self.device,
         )
         if P == 1:
@@ -139,5 +166,8 @@ class ModelRunner:
     def sample(self, logits_output: LogitsProcessorOutput, fb: ForwardBatch, **logprob_kwargs) -> SampleOutput:
         """Choose each request's next token with `fb.sampling_info`; seeded draws are keyed by
         the request's sequence length, so they do not depend on the rest of the batch."""
-        return self.sampler(logits_output.next_token_logits, fb.sampling_info, positions=fb.seq_lens,
-                            **logprob_kwargs)
+        out = self.sampler(logits_output.next_token_logits, fb.sampling_info, positions=fb.seq_lens,
+                           **logprob_kwargs)
+        if self.tp_size > 1:  # the ranks must schedule identically: rank 0's tokens win any tie
+            broadcast_tensor(out.next_token_ids, src=0)
+        return out

@@ -38,14 +38,15 @@ class LlamaAttention(nn.Module):
     def __init__(self, config: "ModelConfig", layer_id: int):
         super().__init__()
         hf = config.hf_config
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
         bias = self.qkv_bias or bool(hf.get("attention_bias", False))
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, bias)
-        self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, bias=bool(hf.get("attention_bias", False)))
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
+                                          config.num_key_value_heads, bias)
+        # This rank's heads (all of them at tp = 1).
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
+                                        bias=bool(hf.get("attention_bias", False)))
         self.rotary_emb = get_rope(self.head_dim, config.context_len, config.rope_theta,
                                    config.rope_scaling, config.dtype)
         self.attn = RadixAttention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id)

@@ -1,0 +1,1 @@
+"""torch.distributed groups for tensor parallelism."""

@@ -33,6 +33,11 @@ class AbortReq:
 
 
 @dataclass
+class StopSchedulerReq:
+    """TP rank 0 to the other ranks: leave the loop (rank 0 got SIGTERM)."""
+
+
+@dataclass
 class FlushCacheReqInput:
     pass
 

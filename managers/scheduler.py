@@ -11,7 +11,8 @@ from typing import Any, Callable, List, Optional
 
 from managers.finish_reason import FINISH_ABORT, FINISH_LENGTH
 from managers.io_struct import (
-    AbortReq, FlushCacheReqInput, FlushCacheReqOutput, GetLoadReqInput, GetLoadReqOutput, TokenizedGenerateReqInput,
+    AbortReq, FlushCacheReqInput, FlushCacheReqOutput, GetLoadReqInput, GetLoadReqOutput, StopSchedulerReq,
+    TokenizedGenerateReqInput,
 )
 from managers.req import Req
 from managers.schedule_batch import KVAllocError, ScheduleBatch
@@ -54,6 +55,7 @@ class Scheduler:
         self.new_token_ratio = self.init_new_token_ratio
         self.forward_ct = 0
         self.decode_ct = 0
+        self.stopped = False  # set by StopSchedulerReq (TP: rank 0 tells the other ranks)
         self.stats = dict(prefix_queried_tokens=0, prefix_hit_tokens=0, num_retractions=0, num_aborts=0,
                           generated_tokens=0)
         self._last_decode_log = (time.perf_counter(), 0)
@@ -99,6 +101,8 @@ class Scheduler:
             self.send(self.flush_cache())
         elif isinstance(msg, GetLoadReqInput):
             self.send(self.get_load())
+        elif isinstance(msg, StopSchedulerReq):
+            self.stopped = True
         else:
             raise TypeError(f"scheduler got an unknown message {type(msg).__name__}")
 

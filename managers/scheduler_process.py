@@ -6,12 +6,13 @@ import logging
 import signal
 import sys
 import traceback
-from typing import Any, List
+from dataclasses import dataclass
+from typing import Any, List, Optional
 
 import setproctitle
 import zmq
 
-from managers.io_struct import SchedulerReady
+from managers.io_struct import SchedulerReady, StopSchedulerReq
 
 logger = logging.getLogger(__name__)
 
@@ -52,18 +53,64 @@ def describe_startup_error(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-def run_scheduler_process(server_args, port_args, ready_writer) -> None:
+@dataclass
+class RankInfo:
+    """Where one scheduler process sits: its TP rank (and data-parallel replica), the rendezvous,
+    the local GPU, and the node layout (to name a lost rank's node)."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    dp_rank: Optional[int] = None
+    dist_init_method: Optional[str] = None
+    gpu_id: Optional[int] = None
+    nnodes: int = 1
+
+    @property
+    def title(self) -> str:
+        dp = f"_DP{self.dp_rank}" if self.dp_rank is not None else ""
+        return f"srt::scheduler{dp}_TP{self.tp_rank}" if self.tp_size > 1 or dp else "srt::scheduler"
+
+    def node_of(self, rank: int) -> int:
+        return rank // max(self.tp_size // self.nnodes, 1)
+
+    def describe_peers(self) -> str:
+        peers = [r for r in range(self.tp_size) if r != self.tp_rank]
+        return ", ".join(f"TP rank {r} (node {self.node_of(r)})" for r in peers)
+
+
+class PeerLost(RuntimeError):
+    """A collective with the other TP ranks failed: a rank (or its node) is gone."""
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when the launcher dies, even by SIGKILL (so a killed node
+    takes its ranks along and the other nodes notice at their next collective)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def run_scheduler_process(server_args, port_args, ready_writer, rank: Optional[RankInfo] = None) -> None:
     """Report `SchedulerReady` (numbers or the root-cause error) on `ready_writer`, then serve
-    until SIGTERM. A crash later is reported on the same pipe before the process exits."""
+    until SIGTERM. A crash later is reported on the same pipe before the process exits.
+
+    With TP, TP rank 0 alone talks to the tokenizer manager and the detokenizer: each step it
+    broadcasts what it received, so every rank schedules the same batches."""
     from srt.utils.logging_utils import configure_logging
 
-    setproctitle.setproctitle("srt::scheduler")
-    configure_logging(getattr(server_args, "log_level", None), prefix="scheduler")
+    rank = rank or RankInfo()
+    _die_with_parent()
+    setproctitle.setproctitle(rank.title)
+    prefix = "scheduler" if rank.tp_size == 1 and rank.dp_rank is None else rank.title.split("::")[1]
+    configure_logging(getattr(server_args, "log_level", None), prefix=prefix)
     stop = {"flag": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front process decides when to stop
     try:
-        scheduler, channels = _build(server_args, port_args)
+        scheduler, channels = _build(server_args, port_args, rank)
     except Exception as e:  # root cause, not a generic "initialization failed"
         logger.debug("scheduler start-up failed", exc_info=True)
         ready_writer.send(SchedulerReady(False, error=describe_startup_error(e)))
@@ -75,27 +122,52 @@ def run_scheduler_process(server_args, port_args, ready_writer) -> None:
         context_len=runner.model_config.context_len, vocab_size=runner.model_config.vocab_size,
         kv_budget=runner.kv_budget.to_dict()))
     try:
-        while not stop["flag"]:
-            channels.block_ms = 20 if scheduler.is_idle() else 0
-            if not scheduler.step() and not scheduler.is_idle():
-                continue
+        _loop(scheduler, channels, rank, stop)
     except Exception as e:
-        text = f"Scheduler crashed: {type(e).__name__}: {e}"
+        text = str(e) if isinstance(e, PeerLost) else f"Scheduler crashed: {type(e).__name__}: {e}"
         logger.error("%s\n%s", text, traceback.format_exc())
         try:
             ready_writer.send(SchedulerReady(False, error=text))
         finally:
             sys.exit(1)
-    channels.ctx.destroy(linger=0)
+    if channels is not None:
+        channels.ctx.destroy(linger=0)
 
 
-def _build(server_args, port_args):
+def _loop(scheduler, channels, rank: RankInfo, stop) -> None:
+    if rank.tp_size == 1:
+        while not stop["flag"]:
+            channels.block_ms = 20 if scheduler.is_idle() else 0
+            scheduler.step()
+        return
+    from srt.distributed.parallel_state import broadcast_object
+
+    def recv() -> List[Any]:
+        if rank.tp_rank == 0:
+            channels.block_ms = 20 if scheduler.is_idle() else 0
+            msgs = [StopSchedulerReq()] if stop["flag"] else channels.recv()
+        else:
+            msgs = None
+        try:
+            return broadcast_object(msgs, src=0)
+        except Exception as exc:
+            raise PeerLost(f"Lost contact with {rank.describe_peers()}: {type(exc).__name__}: {exc}") from exc
+
+    scheduler.recv = recv
+    while not scheduler.stopped:  # every rank stops on rank 0's word (its SIGTERM) or a lost peer
+        scheduler.step()
+
+
+def _build(server_args, port_args, rank: RankInfo):
     from managers.scheduler import Scheduler
     from srt.model_executor.model_runner import ModelRunner
     from srt.utils.hf_transformers_utils import get_tokenizer
 
-    runner = ModelRunner(server_args)
+    runner = ModelRunner(server_args, tp_rank=rank.tp_rank, dist_init_method=rank.dist_init_method,
+                         gpu_id=rank.gpu_id)
     tokenizer = get_tokenizer(server_args.tokenizer_path, trust_remote_code=server_args.trust_remote_code)
-    channels = ZmqChannels(port_args)
-    scheduler = Scheduler(server_args, runner, tokenizer=tokenizer, recv=channels.recv, send=channels.send)
+    channels = ZmqChannels(port_args) if rank.tp_rank == 0 else None
+    send = channels.send if channels is not None else (lambda msg: None)
+    recv = channels.recv if channels is not None else (lambda: [])
+    scheduler = Scheduler(server_args, runner, tokenizer=tokenizer, recv=recv, send=send)
     return scheduler, channels

@@ -71,6 +71,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     from srt.utils.logging_utils import configure_logging
 
     configure_logging(server_args.log_level)
+    if server_args.node_rank > 0:  # no HTTP server here: this node only runs its TP ranks
+        sys.exit(run_worker_node(server_args))
     problem = port_problem(server_args.host, server_args.port)
     if problem:
         _fail(problem)
@@ -113,6 +115,44 @@ def run_server(server_args: ServerArgs) -> int:
         frontend.shutdown()
         loop.run_until_complete(loop.shutdown_asyncgens())
         loop.close()
+
+
+def run_worker_node(server_args: ServerArgs) -> int:
+    """Node `--node-rank` > 0: start this node's TP ranks and wait. Ends when node 0 stops the group
+    (exit 0), when a rank here fails or loses a peer (exit 1, its error last), or on Ctrl-C / SIGTERM."""
+    import threading
+
+    from srt.entrypoints.process_launcher import RuntimeProcesses
+
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    procs = RuntimeProcesses(server_args)
+    try:
+        procs.start()
+    except (ValueError, RuntimeError, OSError) as exc:
+        say_fatal(str(exc))
+        return 1
+    except KeyboardInterrupt:
+        procs.shutdown()
+        return 130
+    per_node = server_args.tp_size // server_args.nnodes
+    first = server_args.node_rank * per_node
+    logger.info("Node %d: TP ranks %d..%d ready, joined the group at %s (node 0 serves HTTP).",
+                server_args.node_rank, first, first + per_node - 1, server_args.dist_init_addr)
+    ended, reason = threading.Event(), []
+    procs.watch(lambda why: (reason.append(why), ended.set()))
+    try:
+        while not ended.wait(0.5):
+            pass
+    except KeyboardInterrupt:
+        procs.shutdown()
+        return 0
+    codes = [p.exitcode for p in procs.procs.values()]
+    procs.shutdown(timeout=2)
+    if all(code == 0 for code in codes if code is not None) and "exited unexpectedly with code 0" in reason[0]:
+        logger.info("Node 0 stopped the TP group; node %d exits.", server_args.node_rank)
+        return 0
+    say_fatal(reason[0])
+    return 1
 
 
 def _raise_keyboard_interrupt(signum, frame) -> None:

@@ -24,6 +24,19 @@ from managers.io_struct import SchedulerReady
 logger = logging.getLogger(__name__)
 
 
+def scheduler_name(tp_rank: int) -> str:
+    """"Scheduler" for TP rank 0 (every message names it so), "Scheduler TP<r>" for the others."""
+    return "Scheduler" if tp_rank == 0 else f"Scheduler TP{tp_rank}"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 class RuntimeProcessError(RuntimeError):
     """A runtime subprocess failed to start or died; the message is its root cause."""
 
@@ -79,45 +92,62 @@ class RuntimeProcesses:
         self._watcher: Optional[threading.Thread] = None
 
     def start(self) -> SchedulerReady:
+        """Spawn this node's scheduler ranks (and, on node 0, the detokenizer); wait for every
+        handshake at once, so a rank that fails is reported even while the others wait for it
+        at the TP rendezvous. Returns TP rank 0's numbers (None on a node without rank 0)."""
         from managers.detokenizer_manager import run_detokenizer_process
-        from managers.scheduler_process import run_scheduler_process
+        from managers.scheduler_process import RankInfo, run_scheduler_process
 
-        ctx = mp.get_context("spawn")
-        for name, target in (("Scheduler", run_scheduler_process), ("Detokenizer", run_detokenizer_process)):
-            reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=target, args=(self.server_args, self.port_args, writer), name=name, daemon=True)
-            with _without_main_reimport():
-                proc.start()
-            writer.close()
-            self.procs[name], self.pipes[name] = proc, reader
+        args = self.server_args
+        tp, nnodes, node = args.tp_size, args.nnodes, args.node_rank
+        per_node = tp // nnodes
+        init = f"tcp://{args.dist_init_addr}" if args.dist_init_addr else f"tcp://127.0.0.1:{_free_port()}"
+        for r in range(node * per_node, (node + 1) * per_node):
+            rank = RankInfo(tp_rank=r, tp_size=tp, dist_init_method=init if tp > 1 else None,
+                            gpu_id=r - node * per_node if tp > 1 else None, nnodes=nnodes)
+            self._spawn(scheduler_name(r), run_scheduler_process, (args, self.port_args), (rank,))
+        if node == 0:
+            self._spawn("Detokenizer", run_detokenizer_process, (args, self.port_args), ())
         try:
-            for name in self.procs:
-                msg = self._wait_ready(name)
-                if name == "Scheduler":
-                    self.scheduler_info = msg
+            ready = self._wait_all_ready()
         except RuntimeProcessError:
             self.shutdown()
             raise
+        self.scheduler_info = ready.get("Scheduler")
         return self.scheduler_info
 
-    def _wait_ready(self, name: str):
-        proc, pipe = self.procs[name], self.pipes[name]
-        while True:
-            ready = wait([pipe, proc.sentinel], timeout=1.0)
-            if pipe in ready:
+    def _spawn(self, name: str, target, head: tuple, tail: tuple) -> None:
+        ctx = mp.get_context("spawn")
+        reader, writer = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=target, args=(*head, writer, *tail), name=name, daemon=True)
+        with _without_main_reimport():
+            proc.start()
+        writer.close()
+        self.procs[name], self.pipes[name] = proc, reader
+
+    def _wait_all_ready(self) -> Dict[str, object]:
+        pending, ready = set(self.procs), {}
+        while pending:
+            handles = {self.pipes[n]: n for n in pending}
+            handles.update({self.procs[n].sentinel: n for n in pending})
+            for name in sorted({handles[h] for h in wait(list(handles), timeout=1.0)}):
+                pipe, proc = self.pipes[name], self.procs[name]
+                if not pipe.poll(0.5 if not proc.is_alive() else 0):  # died without a word
+                    proc.join(1)
+                    raise RuntimeProcessError(_describe_exit(name, proc, ""))
                 try:
                     msg = pipe.recv()
                 except EOFError:
                     msg = None
                 ok = getattr(msg, "ok", None) if not isinstance(msg, dict) else msg.get("ok")
                 if ok:
-                    return msg
+                    ready[name] = msg
+                    pending.discard(name)
+                    continue
                 error = getattr(msg, "error", None) if not isinstance(msg, dict) else msg.get("error")
                 proc.join(5)
                 raise RuntimeProcessError(_describe_exit(name, proc, error or ""))
-            if proc.sentinel in ready:
-                proc.join(1)
-                raise RuntimeProcessError(_describe_exit(name, proc, ""))
+        return ready
 
     def watch(self, on_death: Callable[[str], None], interval: float = 0.2) -> None:
         """Call `on_death(root cause)` once if any child dies while we are not stopping."""

@@ -60,6 +60,8 @@ class GetLoadReqOutput:
     token_usage: float
     max_total_num_tokens: int
     counters: Dict[str, float] = field(default_factory=dict)
+    dp_rank: int = 0  # the replica that answered; -1 for totals merged over replicas
+    replicas: List[Dict[str, Any]] = field(default_factory=list)  # per replica, when merged (dp > 1)
 
 
 @dataclass

@@ -56,8 +56,9 @@ class Scheduler:
         self.forward_ct = 0
         self.decode_ct = 0
         self.stopped = False  # set by StopSchedulerReq (TP: rank 0 tells the other ranks)
+        self.dp_rank = 0  # which data-parallel replica this is (set by the scheduler process)
         self.stats = dict(prefix_queried_tokens=0, prefix_hit_tokens=0, num_retractions=0, num_aborts=0,
-                          generated_tokens=0)
+                          generated_tokens=0, num_requests=0)
         self._last_decode_log = (time.perf_counter(), 0)
 
     # ------------------------------------------------------------------ limits
@@ -94,6 +95,7 @@ class Scheduler:
 
     def process_input(self, msg: Any) -> None:
         if isinstance(msg, TokenizedGenerateReqInput):
+            self.stats["num_requests"] += 1
             self.admission.handle_generate_request(msg)
         elif isinstance(msg, AbortReq):
             self.abort_request(msg)
@@ -329,7 +331,7 @@ class Scheduler:
 
     def get_load(self) -> GetLoadReqOutput:
         return GetLoadReqOutput(len(self.running_batch.reqs), len(self.waiting_queue), self.token_usage(),
-                                self.max_total_num_tokens, dict(self.stats))
+                                self.max_total_num_tokens, dict(self.stats), dp_rank=self.dp_rank)
 
     def on_idle(self) -> None:
         if self.is_idle():

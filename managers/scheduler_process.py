@@ -20,10 +20,10 @@ logger = logging.getLogger(__name__)
 class ZmqChannels:
     """PULL from the tokenizer manager (bound here), PUSH to the detokenizer."""
 
-    def __init__(self, port_args):
+    def __init__(self, port_args, input_name: Optional[str] = None):
         self.ctx = zmq.Context(1)
         self.pull = self.ctx.socket(zmq.PULL)
-        self.pull.bind(port_args.scheduler_input_ipc_name)
+        self.pull.bind(input_name or port_args.scheduler_input_ipc_name)
         self.push = self.ctx.socket(zmq.PUSH)
         self.push.connect(port_args.detokenizer_ipc_name)
         self.block_ms = 0
@@ -64,6 +64,7 @@ class RankInfo:
     dist_init_method: Optional[str] = None
     gpu_id: Optional[int] = None
     nnodes: int = 1
+    input_ipc_name: Optional[str] = None  # this replica's socket (default: port_args' scheduler input)
 
     @property
     def title(self) -> str:
@@ -166,8 +167,9 @@ def _build(server_args, port_args, rank: RankInfo):
     runner = ModelRunner(server_args, tp_rank=rank.tp_rank, dist_init_method=rank.dist_init_method,
                          gpu_id=rank.gpu_id)
     tokenizer = get_tokenizer(server_args.tokenizer_path, trust_remote_code=server_args.trust_remote_code)
-    channels = ZmqChannels(port_args) if rank.tp_rank == 0 else None
+    channels = ZmqChannels(port_args, rank.input_ipc_name) if rank.tp_rank == 0 else None
     send = channels.send if channels is not None else (lambda msg: None)
     recv = channels.recv if channels is not None else (lambda: [])
     scheduler = Scheduler(server_args, runner, tokenizer=tokenizer, recv=recv, send=send)
+    scheduler.dp_rank = rank.dp_rank or 0
     return scheduler, channels

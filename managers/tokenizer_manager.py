@@ -28,6 +28,7 @@ from managers.io_struct import (
     SchedulerReady,
     TokenizedGenerateReqInput,
 )
+from managers.data_parallel_controller import merge_flushes, merge_loads
 from managers.template_manager import TemplateManager
 from srt.sampling.sampling_params import SamplingParams
 
@@ -119,8 +120,11 @@ class TokenizerManager:
     """Turns `GenerateReqInput`s into scheduler requests and detokenized updates into responses."""
 
     def __init__(self, server_args: Any, tokenizer: Any, template_manager: Optional[TemplateManager],
-                 scheduler_info: SchedulerReady, send_to_scheduler: Callable[[object], None]):
+                 scheduler_info: SchedulerReady, send_to_scheduler: Callable[[object], None],
+                 dp_size: int = 1, on_release: Optional[Callable[[str], None]] = None):
         self.server_args = server_args
+        self.dp_size = dp_size  # replicas answering each admin query
+        self.on_release = on_release  # the data-parallel controller's bookkeeping
         self.tokenizer = tokenizer
         self.template_manager = template_manager
         self.scheduler_info = scheduler_info
@@ -160,10 +164,13 @@ class TokenizerManager:
         self.send(AbortReq(rid=rid, abort_all=abort_all))
 
     async def flush_cache(self) -> FlushCacheReqOutput:
-        return await self._request_reply(FlushCacheReqInput(), FlushCacheReqOutput)
+        replies = await self._request_replies(FlushCacheReqInput(), FlushCacheReqOutput)
+        return replies[0] if len(replies) == 1 else merge_flushes(replies)
 
     async def get_load(self) -> GetLoadReqOutput:
-        return await self._request_reply(GetLoadReqInput(), GetLoadReqOutput)
+        """The scheduler's load; with data parallelism, totals with each replica in `replicas`."""
+        replies = await self._request_replies(GetLoadReqInput(), GetLoadReqOutput)
+        return replies[0] if len(replies) == 1 else merge_loads(replies)
 
     def chat_to_prompt(self, messages: Any, **template_kwargs: Any) -> str:
         """Apply the chat template (400 `RequestError` when there is none or the messages are bad)."""
@@ -332,6 +339,8 @@ class TokenizerManager:
         for state in states:
             if self.rid_to_state.get(state.rid) is state:
                 del self.rid_to_state[state.rid]
+            if self.on_release is not None:
+                self.on_release(state.rid)
             if not state.finished:
                 self.send(AbortReq(rid=state.rid))
                 self.metrics.num_aborted += 1
@@ -410,11 +419,13 @@ class TokenizerManager:
         if not stream:
             yield finals[0] if flat_single else [finals[i] for i in range(total)]
 
-    async def _request_reply(self, request: Any, reply_type: type) -> Any:
-        future = asyncio.get_running_loop().create_future()
-        self._pending[reply_type].append(future)
+    async def _request_replies(self, request: Any, reply_type: type) -> List[Any]:
+        """Send an admin query and wait for its reply from every data-parallel replica."""
+        loop = asyncio.get_running_loop()
+        futures = [loop.create_future() for _ in range(self.dp_size)]
+        self._pending[reply_type].extend(futures)
         self.send(request)
-        return await future
+        return list(await asyncio.gather(*futures))
 
     def _add_logprob_texts(self, state: ReqState, child: int, meta: Dict[str, Any]) -> None:
         """Entries become `[logprob, token_id, text|None]` (text only with return_text_in_logprobs).

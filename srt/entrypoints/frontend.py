@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 import zmq
 import zmq.asyncio
 
+from managers.data_parallel_controller import DataParallelController
 from managers.generate_input import RequestError
 from managers.io_struct import BatchStrOut, SchedulerReady
 from managers.template_manager import TemplateManager
@@ -46,6 +47,7 @@ class RuntimeFrontend:
         self.template: Optional[TemplateManager] = None
         self.tokenizer_manager: Optional[TokenizerManager] = None
         self._zmq: Optional[zmq.asyncio.Context] = None
+        self.dp_controller: Optional[DataParallelController] = None
         self._recv_task: Optional[asyncio.Task] = None
 
     def start(self) -> SchedulerReady:
@@ -66,12 +68,20 @@ class RuntimeFrontend:
     async def connect(self) -> TokenizerManager:
         """Open the sockets and start receiving, on the running loop (which then owns them)."""
         self._zmq = zmq.asyncio.Context(2)
-        to_scheduler = self._zmq.socket(zmq.PUSH)
-        to_scheduler.connect(self.procs.port_args.scheduler_input_ipc_name)
+        sends = []
+        for name in self.procs.port_args.scheduler_input_names(self.server_args.dp_size):
+            to_scheduler = self._zmq.socket(zmq.PUSH)
+            to_scheduler.connect(name)
+            sends.append(to_scheduler.send_pyobj)
         from_detokenizer = self._zmq.socket(zmq.PULL)
         from_detokenizer.bind(self.procs.port_args.tokenizer_ipc_name)
+        send, on_release = sends[0], None
+        if len(sends) > 1:
+            self.dp_controller = DataParallelController(sends, self.server_args.load_balance_method)
+            send, on_release = self.dp_controller.send, self.dp_controller.release
         self.tokenizer_manager = TokenizerManager(self.server_args, self.tokenizer, self.template,
-                                                  self.scheduler_info, to_scheduler.send_pyobj)
+                                                  self.scheduler_info, send, dp_size=len(sends),
+                                                  on_release=on_release)
         self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop(from_detokenizer))
         return self.tokenizer_manager
 

@@ -107,6 +107,7 @@ class SglangCollector:
         for name, doc, value in counter_values:
             # CounterMetricFamily takes the base name; the exposition appends `_total`.
             yield _family(CounterMetricFamily(name, doc, labels=LABELS), label, value)
+        yield from _replica_families(snap.model_name, load.replicas)
         histograms = [
             ("sglang:time_to_first_token_seconds", "Time to first token of streamed requests.",
              m.time_to_first_token),
@@ -118,6 +119,35 @@ class SglangCollector:
             family = HistogramMetricFamily(name, doc, labels=LABELS)
             family.add_metric(label, _cumulative_buckets(hist), sum_value=hist.sum)
             yield family
+
+
+REPLICA_GAUGES = (
+    ("sglang:dp_num_requests", "Requests received by each data-parallel replica since start.", "num_requests"),
+    ("sglang:dp_prefix_cache_queried_tokens", "Prompt tokens each replica looked up in its prefix cache.",
+     "prefix_queried_tokens"),
+    ("sglang:dp_prefix_cache_hit_tokens", "Prompt tokens each replica found in its prefix cache.", "prefix_hit_tokens"),
+    ("sglang:dp_generated_tokens", "Tokens each replica generated since start.", "generated_tokens"),
+)
+
+
+def _replica_families(model_name: str, replicas: List[dict]) -> Iterator[Metric]:
+    """With --dp-size > 1: the per-replica numbers (label dp_rank); the unlabeled families are totals."""
+    if not replicas:
+        return
+    labels = LABELS + ["dp_rank"]
+    running = GaugeMetricFamily("sglang:dp_num_running_reqs", "Running requests of each replica.", labels=labels)
+    usage = GaugeMetricFamily("sglang:dp_token_usage", "KV pool fraction held on each replica.", labels=labels)
+    for r in replicas:
+        key = [model_name, str(r["dp_rank"])]
+        running.add_metric(key, float(r["num_running_reqs"]))
+        usage.add_metric(key, float(r["token_usage"]))
+    yield running
+    yield usage
+    for name, doc, counter in REPLICA_GAUGES:
+        family = GaugeMetricFamily(name, doc, labels=labels)
+        for r in replicas:
+            family.add_metric([model_name, str(r["dp_rank"])], float(r["counters"].get(counter, 0)))
+        yield family
 
 
 def _family(family: Metric, label: List[str], value: float) -> Metric:

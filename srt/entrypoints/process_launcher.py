@@ -17,16 +17,18 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.connection import wait
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional
 
 from managers.io_struct import SchedulerReady
 
 logger = logging.getLogger(__name__)
 
 
-def scheduler_name(tp_rank: int) -> str:
-    """"Scheduler" for TP rank 0 (every message names it so), "Scheduler TP<r>" for the others."""
-    return "Scheduler" if tp_rank == 0 else f"Scheduler TP{tp_rank}"
+def scheduler_name(tp_rank: int, dp_rank: int = 0) -> str:
+    """"Scheduler" for TP rank 0 of replica 0 (every message names it so), else "Scheduler TP<r>",
+    "Scheduler DP<d>" or "Scheduler DP<d> TP<r>"."""
+    parts = ["Scheduler"] + ([f"DP{dp_rank}"] if dp_rank else []) + ([f"TP{tp_rank}"] if tp_rank else [])
+    return " ".join(parts)
 
 
 def _free_port() -> int:
@@ -52,6 +54,10 @@ class PortArgs:
     def create(cls) -> "PortArgs":
         tmp = tempfile.mkdtemp(prefix="srt-ipc-")
         return cls(tmp, f"ipc://{tmp}/tokenizer", f"ipc://{tmp}/scheduler", f"ipc://{tmp}/detokenizer")
+
+    def scheduler_input_names(self, dp_size: int) -> List[str]:
+        """Each data-parallel replica's input socket (replica 0's is `scheduler_input_ipc_name`)."""
+        return [self.scheduler_input_ipc_name] + [f"{self.scheduler_input_ipc_name}_dp{d}" for d in range(1, dp_size)]
 
 
 def _describe_exit(name: str, proc: mp.Process, message: str) -> str:
@@ -99,13 +105,20 @@ class RuntimeProcesses:
         from managers.scheduler_process import RankInfo, run_scheduler_process
 
         args = self.server_args
-        tp, nnodes, node = args.tp_size, args.nnodes, args.node_rank
+        tp, dp, nnodes, node = args.tp_size, args.dp_size, args.nnodes, args.node_rank
         per_node = tp // nnodes
-        init = f"tcp://{args.dist_init_addr}" if args.dist_init_addr else f"tcp://127.0.0.1:{_free_port()}"
-        for r in range(node * per_node, (node + 1) * per_node):
-            rank = RankInfo(tp_rank=r, tp_size=tp, dist_init_method=init if tp > 1 else None,
-                            gpu_id=r - node * per_node if tp > 1 else None, nnodes=nnodes)
-            self._spawn(scheduler_name(r), run_scheduler_process, (args, self.port_args), (rank,))
+        inputs = self.port_args.scheduler_input_names(dp)
+        for d in range(dp):  # each replica: its own TP group (rendezvous), socket, pool and cache
+            if args.dist_init_addr and d == 0:
+                init = f"tcp://{args.dist_init_addr}"
+            else:
+                init = f"tcp://127.0.0.1:{_free_port()}"
+            for r in range(node * per_node, (node + 1) * per_node):
+                rank = RankInfo(tp_rank=r, tp_size=tp, dp_rank=d if dp > 1 else None,
+                                dist_init_method=init if tp > 1 else None,
+                                gpu_id=d * tp + r - node * per_node if tp * dp > 1 else None,
+                                nnodes=nnodes, input_ipc_name=inputs[d])
+                self._spawn(scheduler_name(r, d), run_scheduler_process, (args, self.port_args), (rank,))
         if node == 0:
             self._spawn("Detokenizer", run_detokenizer_process, (args, self.port_args), ())
         try:

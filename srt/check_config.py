@@ -145,7 +145,14 @@ def _check_sizes(server_args: ServerArgs, target_len: Optional[int], report: Rep
     word = "GPU" if device.startswith("cuda") else "host"
     report.add(f"free {word} memory before loading", f"pre = {_size(pre.free_bytes)}", f"of {_size(pre.total_bytes)}",
                pre_bytes=pre.free_bytes, total_bytes=pre.total_bytes)
+    from srt.distributed.tp_config import check_tp_size
+
+    _scheduler_step(check_tp_size, cfg, server_args.tp_size)
     weights = _check_weights(server_args, cfg, report)
+    if server_args.tp_size > 1:
+        weights //= server_args.tp_size
+        report.add("weights per TP rank", f"{_size(weights)}", f"about 1/{server_args.tp_size} of the weights "
+                   "(--tp-size)", weight_bytes_per_rank=weights, tp_size=server_args.tp_size)
     inputs = _sizing_inputs(server_args, cfg, device, pre, weights, report)
     budget, error = None, None
     try:
@@ -163,8 +170,29 @@ def _check_sizes(server_args: ServerArgs, target_len: Optional[int], report: Rep
         fp8_cell = MHATokenToKVPool.cell_size_bytes(cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers,
                                                     torch.float8_e4m3fn)
         report.data["target"] = plan_target(target_len, inputs, context, fp8_cell, budget, error)
+        _add_tp_alternative(report.data["target"], target_len, inputs, server_args, cfg)
     if error:
         raise StartupFailure(error)
+
+
+def _add_tp_alternative(plan: Dict[str, Any], n: int, inputs: Any, server_args: ServerArgs, cfg: Any) -> None:
+    """Not admitted on CUDA: say which --tp-size would admit it (more GPUs, each with less to hold)."""
+    from mem_cache.memory_pool import MHATokenToKVPool
+    from srt.check_config_target import tp_alternative
+    from srt.check_config_weights import loaded_model_nbytes
+    from srt.distributed.tp_config import num_kv_heads_per_rank, valid_tp_sizes
+
+    if plan["admitted"] or inputs.device_kind != "cuda":
+        return
+
+    def cell_at(t: int) -> int:
+        return MHATokenToKVPool.cell_size_bytes(num_kv_heads_per_rank(cfg.num_key_value_heads, t), cfg.head_dim,
+                                                cfg.num_hidden_layers, cfg.kv_cache_dtype)
+
+    alt = tp_alternative(n, inputs, loaded_model_nbytes(cfg), server_args.tp_size, valid_tp_sizes(cfg), cell_at)
+    if alt is not None:
+        plan["tp_alternative"] = alt
+        plan["suggestion"] += " " + alt["text"]
 
 
 def _sizing_inputs(server_args: ServerArgs, cfg: Any, device: str, pre: Any, weights: int, report: Report):
@@ -188,6 +216,11 @@ def _sizing_inputs(server_args: ServerArgs, cfg: Any, device: str, pre: Any, wei
         report.add("CUDA graph reserve", _size(reserve), "kept outside the default fraction; --disable-cuda-graph, "
                    "--cuda-graph-max-bs", graph_reserve_bytes=reserve)
     fraction = server_args.mem_fraction_static or default_mem_fraction_static(kind, pre.total_bytes, reserve)
+    from srt.distributed.tp_config import cpu_fraction_share, local_rank_count, num_kv_heads_per_rank
+
+    if kind == "cpu" and local_rank_count(server_args) > 1:
+        fraction = cpu_fraction_share(fraction, server_args)
+        report.add("per-rank share", f"f / {local_rank_count(server_args)}", "on CPU the local ranks share host RAM")
     default = server_args.mem_fraction_static is None
     report.add("mem_fraction_static", f"f = {fraction:g}" + (f" (default on {kind})" if default else ""),
                "--mem-fraction-static", mem_fraction_static=fraction, mem_fraction_static_is_default=default)
@@ -201,7 +234,8 @@ def _sizing_inputs(server_args: ServerArgs, cfg: Any, device: str, pre: Any, wei
                reserved_bytes=int(reserved))
     report.add("KV budget", f"rest = avail - pre x (1 - f) = {_size(rest)}",
                "" if rest > 0 else "no room: start-up fails", rest_bytes=rest)
-    heads, dim, layers = cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
+    heads, dim, layers = num_kv_heads_per_rank(cfg.num_key_value_heads, server_args.tp_size), cfg.head_dim, \
+        cfg.num_hidden_layers
     cell = MHATokenToKVPool.cell_size_bytes(heads, dim, layers, cfg.kv_cache_dtype)
     elem = torch.empty((), dtype=cfg.kv_cache_dtype).element_size()
     formula = f"{heads} x {dim} x {layers} x 2 x {elem} = {cell} B"

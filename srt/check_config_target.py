@@ -175,3 +175,18 @@ def _suggestion(plan: Dict[str, Any], setting: SizingInputs, need_t: int) -> str
         flags = f"{env}=1 and {flags}"
     why = "; ".join(c["why"] for c in plan["changes"])
     return text + f" Smallest change that admits it: {flags}. Why: {why}."
+
+
+def tp_alternative(n: int, inputs: SizingInputs, total_weights: int, tp_now: int, sizes: List[int],
+                   cell_at: Callable[[int], int], max_tp: int = 8) -> Optional[Dict[str, Any]]:
+    """CUDA: the smallest larger --tp-size (valid for the model, at most `max_tp`) under which each
+    GPU, holding 1/tp of the weights and of the KV heads, would admit an n-token input."""
+    for t in sizes:
+        if t <= tp_now or t > max_tp:
+            continue
+        trial = dataclasses.replace(inputs, avail=inputs.pre - total_weights // t, cell=cell_at(t))
+        if trial.admits(n):
+            return {"tp_size": t, "cell": cell_at(t), "weights_per_rank": total_weights // t,
+                    "text": f"Or --tp-size {t}: each GPU then holds about 1/{t} of the weights "
+                            f"({total_weights // t} B) and a token's KV takes {cell_at(t)} B per GPU."}
+    return None

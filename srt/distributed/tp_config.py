@@ -36,3 +36,24 @@ def check_tp_size(cfg, tp_size: int) -> None:
         reasons.append(f"intermediate_size {inter} is not divisible by it")
     raise ValueError(f"--tp-size {tp_size} does not fit this model: {'; '.join(reasons)}. "
                      f"Valid --tp-size values: {', '.join(map(str, valid_tp_sizes(cfg)))}.")
+
+
+def local_rank_count(server_args) -> int:
+    """Scheduler processes on this node: TP ranks per node times data-parallel replicas."""
+    return server_args.tp_size // server_args.nnodes * server_args.dp_size
+
+
+def cpu_fraction_share(fraction: float, server_args) -> float:
+    """On CPU every local rank sizes its pool from the same host RAM: each takes an equal share of
+    --mem-fraction-static (on CUDA each rank has its own GPU and the whole fraction)."""
+    return fraction / local_rank_count(server_args)
+
+
+def check_gpu_count(server_args, visible: int, env_value: str = "") -> None:
+    """CUDA: every local rank needs its own GPU."""
+    need = local_rank_count(server_args)
+    if need > visible:
+        shown = f" (CUDA_VISIBLE_DEVICES={env_value})" if env_value else ""
+        raise ValueError(f"--tp-size {server_args.tp_size} x --dp-size {server_args.dp_size} needs {need} GPUs on "
+                         f"this node (one per rank), but torch sees {visible}{shown}. Lower --tp-size or --dp-size, "
+                         f"spread the ranks over nodes with --nnodes, or make more GPUs visible.")

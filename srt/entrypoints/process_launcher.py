@@ -39,6 +39,19 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _check_gpus(args) -> None:
+    """Before spawning ranks on CUDA: one GPU per local rank (`device auto` means CUDA when present)."""
+    if args.device == "cpu":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        return  # --device auto falls back to CPU; --device cuda fails in the rank with its own message
+    from srt.distributed.tp_config import check_gpu_count
+
+    check_gpu_count(args, torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES", ""))
+
+
 class RuntimeProcessError(RuntimeError):
     """A runtime subprocess failed to start or died; the message is its root cause."""
 
@@ -107,6 +120,8 @@ class RuntimeProcesses:
         args = self.server_args
         tp, dp, nnodes, node = args.tp_size, args.dp_size, args.nnodes, args.node_rank
         per_node = tp // nnodes
+        if tp * dp > 1:
+            _check_gpus(args)
         inputs = self.port_args.scheduler_input_names(dp)
         for d in range(dp):  # each replica: its own TP group (rendezvous), socket, pool and cache
             if args.dist_init_addr and d == 0:

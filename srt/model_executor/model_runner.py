@@ -15,7 +15,7 @@ from srt.configs.model_config import ModelConfig
 from srt.layers.logits_processor import LogitsProcessorOutput
 from srt.layers.sampler import SampleOutput, Sampler
 from srt.distributed.parallel_state import all_reduce_min_int, broadcast_tensor, init_tp_group
-from srt.distributed.tp_config import check_tp_size, num_kv_heads_per_rank
+from srt.distributed.tp_config import check_tp_size, cpu_fraction_share, local_rank_count, num_kv_heads_per_rank
 from srt.model_executor.cuda_graph_runner import CudaGraphRunner, graph_reserve_bytes
 from srt.model_executor.forward_batch_info import ForwardBatch
 from srt.model_executor.memory_sizing import (
@@ -110,6 +110,8 @@ class ModelRunner:
         else:
             reserve = graph_reserve_bytes(args, cfg, kind, self.attention_backend_name)
             fraction = args.mem_fraction_static or default_mem_fraction_static(kind, pre.total_bytes, reserve)
+            if kind == "cpu" and local_rank_count(args) > 1:
+                fraction = cpu_fraction_share(fraction, args)
             avail = free_memory_after_load(self.device, pre, self.model)
             logger.debug("Free memory before loading %d bytes (%s), after %d bytes.", pre.free_bytes,
                          pre.source, avail)

@@ -5,6 +5,11 @@
     python scripts/bench_one_batch.py --preset llama-100m --no-hf --decode-modes eager compile
     python scripts/bench_one_batch.py --preset llama-1b --dtype bfloat16 --no-hf --decode-modes eager graph
 
+`--tp-size N` (no HF) measures decode step time at TP = 1 (this process, all threads) and at TP = N
+(N spawned ranks over gloo/NCCL, the threads split between them) on the same weights and prompts,
+and the cost of one all-reduce of a decode step's hidden states, so the collective overhead per
+step (2 per layer, plus the embedding's and the LM head's gather) is visible.
+
 `--decode-modes` measures decode once per mode, side by side on the same runner and inputs:
 `eager` (the plain forward), `graph` (the CUDA-graph runner: captured graphs on CUDA, its eager
 replay of padded static buffers on CPU, which gathers the full context width and is only a
@@ -110,6 +115,7 @@ def main() -> None:
                    help="measure decode in each mode side by side (see the module docstring); no HF")
     p.add_argument("--peak-bandwidth-tbs", type=float, default=4.8, help="memory bandwidth for the roofline (H200: 4.8)")
     p.add_argument("--json-out", help="also write the rows as JSON here")
+    p.add_argument("--tp-size", type=int, default=1, help="compare decode at TP = 1 and TP = this (see above)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -126,6 +132,9 @@ def main() -> None:
     runner = ModelRunner(sa, max_total_tokens=T, max_running_requests=max(args.batch_sizes))
     if args.decode_modes:
         return bench_modes(runner, args, max_len)
+    if args.tp_size > 1:
+        del runner
+        return bench_tp(args, path, load_format, T)
     hf = None
     if not args.no_hf:
         torch.manual_seed(0)
@@ -157,6 +166,80 @@ def main() -> None:
                 row += (f" {bs * L / h_pre:,.0f} | {bs / h_step:,.1f} | {h_pre / t_pre:.2f} | "
                         f"{h_step / t_step:.2f} |")
             print(row, flush=True)
+
+
+def _tp_rank_main(rank: int, tp: int, port: int, args, path: str, load_format: str, T: int, queue) -> None:
+    """One TP rank: the same decode benchmark as TP = 1, rank 0 reports."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(max(1, (args.threads or torch.get_num_threads()) // tp))
+    sa = ServerArgs(model_path=path, dtype=args.dtype, device=args.device, disable_cuda_graph=True, tp_size=tp)
+    runner = ModelRunner(sa, max_total_tokens=T, max_running_requests=max(args.batch_sizes), tp_rank=rank,
+                         dist_init_method=f"tcp://127.0.0.1:{port}")
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    for L in args.input_lens:
+        for bs in args.batch_sizes:
+            prompts = torch.randint(3, runner.model_config.vocab_size, (bs, L), generator=g).tolist()
+            bench_ours(runner, prompts, 3)
+            _, t_step = bench_ours(runner, prompts, args.output_len)
+            x = torch.randn(bs, runner.model_config.hidden_size, dtype=runner.dtype, device=runner.device)
+            for _ in range(3):
+                dist.all_reduce(x)
+            n = 50
+            t0 = time.perf_counter()
+            for _ in range(n):
+                dist.all_reduce(x)
+            sync(runner.device)
+            rows.append((bs, L, t_step, (time.perf_counter() - t0) / n))
+    if rank == 0:
+        queue.put(rows)
+    dist.barrier()
+
+
+def bench_tp(args, path: str, load_format: str, T: int) -> None:
+    """Decode step time at TP = 1 and TP = args.tp_size on the same saved weights."""
+    import multiprocessing as mp
+    import socket
+
+    if load_format == "dummy":  # every rank must load the same weights: save HF's seeded init once
+        torch.manual_seed(0)
+        hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=getattr(torch, args.dtype))
+        hf.save_pretrained(path)
+        del hf
+    sa = ServerArgs(model_path=path, dtype=args.dtype, device=args.device, disable_cuda_graph=True)
+    runner = ModelRunner(sa, max_total_tokens=T, max_running_requests=max(args.batch_sizes))
+    base = {}
+    g = torch.Generator().manual_seed(0)
+    for L in args.input_lens:
+        for bs in args.batch_sizes:
+            prompts = torch.randint(3, runner.model_config.vocab_size, (bs, L), generator=g).tolist()
+            bench_ours(runner, prompts, 3)
+            base[(bs, L)] = bench_ours(runner, prompts, args.output_len)[1]
+    layers = runner.model_config.num_hidden_layers
+    del runner
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_tp_rank_main, args=(r, args.tp_size, port, args, path, load_format, T, queue))
+             for r in range(args.tp_size)]
+    for proc in procs:
+        proc.start()
+    rows = queue.get(timeout=3600)
+    for proc in procs:
+        proc.join(60)
+    tp = args.tp_size
+    print(f"# bench_one_batch --tp-size {tp}: {args.model_path or args.preset}, {args.dtype}, {args.device}, "
+          f"threads={args.threads or torch.get_num_threads()} in total, output_len={args.output_len}, "
+          f"{2 * layers + 1} all-reduces + 1 all-gather + 1 broadcast per decode step")
+    print(f"| batch | input | TP=1 step ms | TP={tp} step ms | TP={tp} / TP=1 | one all-reduce ms | "
+          f"all-reduces per step ms |")
+    print("|---|---|---|---|---|---|---|")
+    for bs, L, t_step, t_ar in rows:
+        print(f"| {bs} | {L} | {base[(bs, L)] * 1e3:.2f} | {t_step * 1e3:.2f} | {t_step / base[(bs, L)]:.2f} | "
+              f"{t_ar * 1e3:.3f} | {(2 * layers + 1) * t_ar * 1e3:.2f} |", flush=True)
 
 
 def weight_bytes(runner: ModelRunner) -> int:

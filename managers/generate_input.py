@@ -9,11 +9,9 @@ from __future__ import annotations
 import dataclasses
 import uuid
 from dataclasses import dataclass
-from typing import Any, Dict, Hashable, List, Mapping, Optional, Union
+from typing import Any, Dict, Hashable, List, Mapping, Optional, Tuple, Union
 
-# SGLang request fields this runtime does not implement: accepted only when null / false / empty.
-UNSUPPORTED_FIELDS = ("image_data", "video_data", "audio_data", "input_embeds", "lora_path", "modalities",
-                      "session_params", "custom_logit_processor", "return_hidden_states")
+from srt.sampling.sampling_params import IMPLEMENTED, DefaultOnly
 
 
 class RequestError(ValueError):
@@ -38,6 +36,26 @@ def _is_int(value: Any) -> bool:
 
 def _is_id_list(value: Any) -> bool:
     return isinstance(value, list) and all(_is_int(t) for t in value)
+
+
+@dataclass(frozen=True)
+class Inert:
+    """A field accepted whenever it has one of `types`, and that changes nothing on this server:
+    `why` says why that matches SGLang (a caller-side id, a switch for a parser this server lacks)."""
+
+    types: Tuple[type, ...]
+    why: str
+
+
+def check_field_rule(name: str, value: Any, rule: Any) -> None:
+    """Refuse `value` of the non-implemented field `name` unless its rule (`DefaultOnly`, `Inert`) takes it."""
+    if isinstance(rule, Inert):
+        if value is not None and not isinstance(value, rule.types):
+            kinds = " or ".join({str: "a string", bool: "a boolean", dict: "an object"}.get(t, t.__name__)
+                                for t in rule.types)
+            _fail(f"{name} must be {kinds}, got {value!r}.", name.split(".")[0])
+    elif not rule.accepts(value):
+        _fail(rule.refusal(name, value), name.split(".")[0])
 
 
 @dataclass
@@ -79,19 +97,22 @@ class GenerateReqInput:
 
     @classmethod
     def from_dict(cls, body: Any) -> "GenerateReqInput":
-        """Build from a JSON body, refusing unknown fields (and set unsupported ones) by name."""
+        """Build from a JSON body: `GENERATE_FIELDS` decides each field (null means its default);
+        a field SGLang does not define is refused by name."""
         if not isinstance(body, Mapping):
             _fail(f"The request body must be a JSON object, got {type(body).__name__}.")
-        known = {f.name for f in dataclasses.fields(cls)}
         fields = {}
         for key, value in body.items():
-            if key in known:
+            rule = GENERATE_FIELDS.get(key)
+            if rule is None:
+                supported = sorted(k for k, r in GENERATE_FIELDS.items() if not isinstance(r, DefaultOnly))
+                _fail(f"Unknown field '{key}'. Supported fields: {', '.join(supported)}.", param=key)
+            if value is None:
+                continue
+            if rule is IMPLEMENTED:
                 fields[key] = value
-            elif key in UNSUPPORTED_FIELDS:
-                if value not in (None, False, [], {}, ""):
-                    _fail(f"Field '{key}' is not supported by this server.", param=key)
             else:
-                _fail(f"Unknown field '{key}'. Supported fields: {', '.join(sorted(known))}.", param=key)
+                check_field_rule(key, value, rule)
         return cls(**fields)
 
     @property
@@ -248,3 +269,49 @@ def _namespace(extra_key: Optional[str], cache_salt: Optional[str]) -> Optional[
     if extra_key and cache_salt:
         return (extra_key, cache_salt)
     return extra_key or cache_salt
+
+
+# ------------------------------------------------------------------ SGLang's GenerateReqInput
+_NULL, _FALSE = DefaultOnly(), DefaultOnly(False)
+_NO_MEDIA = DefaultOnly(None, ([],))  # this runtime serves text-only models
+_CALLER_ID = Inert((str,), "a caller-side id; SGLang passes it through without changing the output")
+
+# Every field of SGLang's GenerateReqInput (0.5.23) and how this server takes it: IMPLEMENTED
+# (a field of the dataclass above), Inert, or DefaultOnly.
+GENERATE_FIELDS: Dict[str, Any] = {
+    # prompt, sampling, output form
+    "text": IMPLEMENTED, "input_ids": IMPLEMENTED, "sampling_params": IMPLEMENTED, "rid": IMPLEMENTED,
+    "stream": IMPLEMENTED, "extra_key": IMPLEMENTED, "cache_salt": IMPLEMENTED,
+    # logprobs
+    "return_logprob": IMPLEMENTED, "logprob_start_len": IMPLEMENTED, "top_logprobs_num": IMPLEMENTED,
+    "token_ids_logprob": IMPLEMENTED, "return_text_in_logprobs": IMPLEMENTED,
+    "return_sampling_mask": DefaultOnly(None, (False,)), "sampling_logprobs_mode": _NULL,
+    "return_flat_raw_top_logprobs": _FALSE, "return_flat_raw_output_top_logprobs": _FALSE,
+    "return_flat_raw_top_logprobs_b64": _FALSE,
+    # caller-side ids and labels
+    "session_id": _CALLER_ID, "conversation_id": _CALLER_ID,
+    "custom_labels": Inert((dict,), "metric labels of the caller; this server's metrics have none"),
+    # multimodal inputs
+    "input_embeds": _NULL, "image_data": _NO_MEDIA, "video_data": _NO_MEDIA, "audio_data": _NO_MEDIA,
+    "modalities": _NO_MEDIA, "mm_hashes": _NULL, "mm_content_hashes": _NULL, "use_audio_in_video": _FALSE,
+    "video_config": _NULL, "images_config": _NULL, "mm_processor_kwargs": _NULL,
+    "max_dynamic_patch": _NULL, "min_dynamic_patch": _NULL, "image_max_dynamic_patch": _NULL,
+    "video_max_dynamic_patch": _NULL, "positional_embed_overrides": _NULL,
+    "need_wait_for_mm_inputs": DefaultOnly(None, (False,)), "num_items_assigned": _NULL, "encoder_urls": _NULL,
+    # outputs beyond text and logprobs
+    "return_hidden_states": _FALSE, "return_routed_experts": _FALSE, "routed_experts_start_len": DefaultOnly(0),
+    "return_indexer_topk": _FALSE, "return_bytes": _FALSE, "return_entropy": _FALSE,
+    "return_prompt_token_ids": _FALSE, "multi_item_delimiter_indices": _NULL, "token_indices_to_pool": _NULL,
+    # adapters, custom processors, sessions
+    "lora_path": _NULL, "lora_id": _NULL, "custom_logit_processor": _NULL, "watermark": _NULL,
+    "session_params": _NULL,
+    # disaggregation and routing
+    "bootstrap_host": _NULL, "bootstrap_port": _NULL, "bootstrap_room": _NULL, "bootstrap_pair_key": _NULL,
+    "decode_tp_size": _NULL, "routed_dp_rank": _NULL, "data_parallel_rank": _NULL,  # the balancer picks the rank
+    "disagg_prefill_dp_rank": _NULL, "routing_key": _NULL, "http_worker_ipc": _NULL, "kv_hints": _NULL,
+    # scheduling, reasoning, logging
+    "priority": _NULL, "background": _FALSE, "require_reasoning": _FALSE, "max_thinking_tokens": _NULL,
+    "log_metrics": DefaultOnly(True), "no_logs": _FALSE, "external_trace_header": _NULL, "received_time": _NULL,
+}
+assert {k for k, r in GENERATE_FIELDS.items() if r is IMPLEMENTED} == {f.name for f in dataclasses.fields(
+    GenerateReqInput)}, "GENERATE_FIELDS must mark exactly the dataclass fields IMPLEMENTED"

@@ -39,7 +39,9 @@ CASES = [
     # Top-level fields.
     ("unknown_field", "POST", "/generate", {"text": "hi", "prompt": "x"}, 400, "Unknown field 'prompt'"),
     ("unsupported_field", "POST", "/generate", {"text": "hi", "image_data": "x.png"}, 400,
-     "Field 'image_data' is not supported"),
+     "'image_data' is not supported by this server (got \"x.png\"); leave it at its default null."),
+    ("unsupported_sampling_param", "POST", "/generate", hi(beam_width=4), 400,
+     "'beam_width' is not supported by this server (got 4); leave it at its default null."),
     ("neither_text_nor_ids", "POST", "/generate", {"sampling_params": {}}, 400,
      "Specify exactly one of 'text' or 'input_ids'."),
     ("both_text_and_ids", "POST", "/generate", {"text": "hi", "input_ids": [1, 2]}, 400, "not both"),

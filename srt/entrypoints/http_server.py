@@ -31,8 +31,6 @@ PUBLIC_PATHS = frozenset({"/health"})  # reachable without --api-key
 HEALTH_TIMEOUT_S = 20.0
 LOAD_TIMEOUT_S = 5.0
 LOG_PREVIEW_CHARS = 2000
-# Sampling fields that parse but have no implementation yet: refused, never silently ignored.
-UNIMPLEMENTED_SAMPLING = ("regex", "json_schema", "ebnf")
 
 
 def version() -> str:
@@ -197,7 +195,6 @@ async def generate(request: web.Request) -> web.StreamResponse:
     state: ServerState = request.app[STATE_KEY]
     body = await read_json_body(request)
     obj = GenerateReqInput.from_dict(body)
-    _refuse_unimplemented_sampling(obj.sampling_params)
     check_serving(state)
     outputs = state.tokenizer_manager.generate_request(obj)
     try:
@@ -232,18 +229,6 @@ async def _stream_sse(request: web.Request, outputs: AsyncIterator[Any], first: 
     return resp
 
 
-def _refuse_unimplemented_sampling(params: Any) -> None:
-    for i, p in enumerate(params if isinstance(params, list) else [params]):
-        if not isinstance(p, dict):
-            continue
-        for name in UNIMPLEMENTED_SAMPLING:
-            if p.get(name) is not None:
-                where = "sampling_params" if not isinstance(params, list) else f"sampling_params[{i}]"
-                raise RequestError(f"{where}.{name} is not supported by this server yet (structured output "
-                                   f"is not implemented); remove it.", 400, code="invalid_request_error",
-                                   param=f"sampling_params.{name}")
-
-
 # ---------------------------------------------------------------------- admin routes
 async def health(request: web.Request) -> web.Response:
     """Liveness: the HTTP process answers (503 only once a runtime child has died)."""
@@ -251,6 +236,14 @@ async def health(request: web.Request) -> web.Response:
     if state.dead_reason:
         return json_error(503, state.dead_reason, code="service_unavailable")
     return json_response({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    """SGLang's readiness probe: 200 once the warm-up request succeeded, else 503."""
+    state: ServerState = request.app[STATE_KEY]
+    if state.ready and not state.dead_reason and not state.shutting_down:
+        return json_response({"status": "ready"})
+    return json_error(503, state.dead_reason or "The server is not ready.", code="service_unavailable")
 
 
 async def health_generate(request: web.Request) -> web.Response:
@@ -324,6 +317,23 @@ async def _load(state: ServerState) -> Optional[Dict[str, Any]]:
     return dataclasses.asdict(load)
 
 
+async def get_load(request: web.Request) -> web.Response:
+    """SGLang's legacy load report that sglang-router polls: one entry per data-parallel rank."""
+    state: ServerState = request.app[STATE_KEY]
+    check_serving(state)
+    try:
+        load = await asyncio.wait_for(state.tokenizer_manager.get_load(), LOAD_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        return json_error(503, f"The scheduler did not report its load within {LOAD_TIMEOUT_S:g} s.",
+                          code="service_unavailable")
+    ranks = getattr(load, "replicas", None) or [dataclasses.asdict(load)]  # per replica once merged
+    return json_response([{
+        "dp_rank": r.get("dp_rank", i), "num_reqs": r.get("num_running_reqs", 0) + r.get("num_waiting_reqs", 0),
+        "num_waiting_reqs": r.get("num_waiting_reqs", 0),
+        "num_tokens": round(r.get("token_usage", 0.0) * r.get("max_total_num_tokens", 0)),
+    } for i, r in enumerate(ranks)])
+
+
 async def flush_cache(request: web.Request) -> web.Response:
     """200 when flushed; 400 with the scheduler's reason (requests in flight) when not."""
     state: ServerState = request.app[STATE_KEY]
@@ -368,8 +378,11 @@ def create_app(state: ServerState) -> web.Application:
     app.router.add_route("GET", "/health", health)
     app.router.add_route("POST", "/health", health)
     app.router.add_get("/health_generate", health_generate)
-    app.router.add_get("/get_model_info", get_model_info)
-    app.router.add_get("/get_server_info", get_server_info)
+    app.router.add_get("/ready", ready)
+    for prefix in ("/get_", "/"):  # SGLang serves both spellings; routers probe either
+        app.router.add_get(f"{prefix}model_info", get_model_info)
+        app.router.add_get(f"{prefix}server_info", get_server_info)
+    app.router.add_get("/get_load", get_load)
     app.router.add_route("POST", "/flush_cache", flush_cache)
     app.router.add_route("GET", "/flush_cache", flush_cache)  # SGLang's RuntimeEndpoint uses GET
     app.router.add_post("/abort_request", abort_request)

@@ -7,10 +7,11 @@ the same message: the parameter name first, then the allowed range, then the val
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Union
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 # Below this temperature a request is decoded greedily (argmax), as in SGLang.
 GREEDY_TEMPERATURE = 1e-6
@@ -28,6 +29,45 @@ def _is_number(value: Any) -> bool:
 
 def _fail(message: str) -> None:
     raise ValueError(message)
+
+
+# ------------------------------------------------------------------ SGLang field rules
+# How this server takes each field of an SGLang request type. The rule types live here, in the
+# lowest layer every entrypoint reaches, so /generate, the Engine and the OpenAI layer word a
+# refusal alike. `null` always means a field's default.
+IMPLEMENTED = "implemented"  # honoured as SGLang honours it
+
+
+def _json_text(value: Any, limit: int = 60) -> str:
+    text = json.dumps(value, default=repr)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def same_json_value(a: Any, b: Any) -> bool:
+    """JSON equality: 0 == 0.0, but true is not 1 and "1" is not 1."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return isinstance(a, bool) and isinstance(b, bool) and a == b
+    if _is_number(a) and _is_number(b):
+        return a == b
+    return type(a) is type(b) and a == b
+
+
+@dataclass(frozen=True)
+class DefaultOnly:
+    """A field this server takes only at its default: null, `default` or one of `same` (values that
+    mean the same here) pass; anything else is refused naming the field and the value. `feature`
+    names a planned feature (structured output, tool calling) whose fields keep their own message."""
+
+    default: Any = None
+    same: Tuple[Any, ...] = ()
+    feature: Optional[str] = None
+
+    def accepts(self, value: Any) -> bool:
+        return value is None or any(same_json_value(value, v) for v in (self.default, *self.same))
+
+    def refusal(self, name: str, value: Any) -> str:
+        return (f"'{name}' is not supported by this server (got {_json_text(value)}); leave it at its default "
+                f"{_json_text(self.default)}.")
 
 
 @dataclass
@@ -62,6 +102,12 @@ class SamplingParams:
     ebnf: Optional[str] = None
     logit_bias: Optional[Dict[Union[str, int], float]] = None
     sampling_seed: Optional[int] = None
+    # SGLang fields accepted at their default only (SAMPLING_FIELDS says which and why).
+    structural_tag: Optional[str] = None
+    beam_width: Optional[int] = None
+    stream_interval: Optional[int] = None
+    custom_params: Optional[Dict[str, Any]] = None
+    watermark: Optional[Dict[str, Any]] = None
     # Derived by normalize(): the longest stop string, in tokens when a tokenizer was given,
     # else in characters (an upper bound). The detokenizer holds back this much text.
     stop_str_max_len: int = field(default=0, init=False, repr=False, compare=False)
@@ -108,6 +154,7 @@ class SamplingParams:
         self._verify_stops(vocab_size)
         self._verify_logit_bias(vocab_size)
         self._verify_grammar()
+        self._verify_default_only()
 
     def _verify_types(self) -> None:
         for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
@@ -195,6 +242,16 @@ class SamplingParams:
             if not isinstance(getattr(self, name), str):
                 _fail(f"{name} must be a string, got {type(getattr(self, name)).__name__}.")
 
+    def _verify_default_only(self) -> None:
+        for name, rule in SAMPLING_FIELDS.items():
+            value = getattr(self, name)
+            if rule is IMPLEMENTED or rule.accepts(value):
+                continue
+            if rule.feature:
+                _fail(f"sampling_params.{name} is not supported by this server yet ({rule.feature} is not "
+                      f"implemented); remove it.")
+            _fail(rule.refusal(name, value))
+
     # ------------------------------------------------------------- canonical form
     def normalize(self, tokenizer: Any = None) -> None:
         """Bring list-or-scalar fields to lists and derive `stop_str_max_len`.
@@ -213,6 +270,27 @@ class SamplingParams:
         if tokenizer is None:
             return len(stop)
         return len(tokenizer.encode(stop, add_special_tokens=False))
+
+
+_STRUCTURED = DefaultOnly(feature="structured output")
+
+# Every API field of SGLang's SamplingParams and how this server takes it. SGLang's internal fields
+# (stop_strs, stop_regex_strs, stop_str_max_len, stop_regex_max_len, is_normalized,
+# ebnf_full_assistant) are filled by its own normalize(), are not API, and stay unknown here.
+SAMPLING_FIELDS: Dict[str, Any] = {
+    "max_new_tokens": IMPLEMENTED, "min_new_tokens": IMPLEMENTED, "n": IMPLEMENTED,
+    "stop": IMPLEMENTED, "stop_token_ids": IMPLEMENTED, "stop_regex": IMPLEMENTED,
+    "temperature": IMPLEMENTED, "top_p": IMPLEMENTED, "top_k": IMPLEMENTED, "min_p": IMPLEMENTED,
+    "frequency_penalty": IMPLEMENTED, "presence_penalty": IMPLEMENTED, "repetition_penalty": IMPLEMENTED,
+    "ignore_eos": IMPLEMENTED, "skip_special_tokens": IMPLEMENTED, "spaces_between_special_tokens": IMPLEMENTED,
+    "no_stop_trim": IMPLEMENTED, "logit_bias": IMPLEMENTED, "sampling_seed": IMPLEMENTED,
+    "regex": _STRUCTURED, "json_schema": _STRUCTURED, "ebnf": _STRUCTURED, "structural_tag": _STRUCTURED,
+    "beam_width": DefaultOnly(None, (1,)),  # one beam is plain decoding; beam search is not implemented
+    "stream_interval": DefaultOnly(),        # per request; the server's --stream-interval applies to all
+    "custom_params": DefaultOnly(),          # input of a custom logit processor, which is not implemented
+    "watermark": DefaultOnly(),
+}
+assert set(SAMPLING_FIELDS) == SamplingParams.field_names(), "SAMPLING_FIELDS must list every SamplingParams field"
 
 
 def _as_list(value: Any, name: str) -> List[Any]:

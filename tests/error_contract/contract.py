@@ -13,6 +13,7 @@ WARN = "tests/error_contract/test_startup_warnings_contract.py"
 REQUEST = "tests/error_contract/test_request_contract.py"
 RUNNING = "tests/error_contract/test_running_contract.py"
 CHECK = "tests/error_contract/test_check_config.py"
+PROTOCOL = "tests/test_sglang_protocol.py"
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,13 @@ CONTRACT = (
     ContractEntry("no-cuda", "start-up",
                   ("was given but CUDA is not available",),
                   (f"{STARTUP}::test_device_cuda_without_cuda_says_what_to_pass",)),
+    ContractEntry("tp-size-does-not-fit", "start-up",
+                  ("does not fit this model:", "Valid --tp-size values:"),
+                  ("tests/error_contract/test_tp_contract.py::"
+                   "test_tp_size_the_model_cannot_split_names_the_numbers_and_valid_sizes",)),
+    ContractEntry("gpus-per-rank", "start-up",
+                  ("GPUs on this node (one per rank), but torch sees",),
+                  ("tests/error_contract/test_tp_contract.py::test_more_ranks_than_gpus_is_refused_with_the_counts",)),
     ContractEntry("cuda-graph-capture", "start-up",
                   ("CUDA graph capture failed at batch size", "Use --disable-cuda-graph to skip the capture"),
                   ("tests/test_cuda_graph_runner.py::test_failed_capture_names_the_batch_size_and_the_flags_that_skip_it",)),
@@ -122,7 +130,13 @@ CONTRACT = (
                    "tests/test_http_bad_inputs.py::test_body_over_the_cap_is_413")),
     ContractEntry("model-not-found", "request",
                   ("does not exist. This server serves",),
-                  ("tests/test_openai_api.py::test_unknown_model_is_404_model_not_found",)),
+                  ("tests/test_openai_api.py::test_unknown_model_id_is_404_on_the_models_route",
+                   f"{PROTOCOL}::test_any_model_name_is_served_and_the_served_name_reported")),
+    ContractEntry("field-at-default-only", "request",
+                  ("is not supported by this server (got", "leave it at its default"),
+                  (f"{PROTOCOL}::test_generate_default_only_field_with_another_value_is_400_naming_it",
+                   f"{PROTOCOL}::test_openai_default_only_field_with_another_value_is_400_naming_it",
+                   f"{PROTOCOL}::test_every_sglang_generate_field_is_accepted_at_its_default")),
     ContractEntry("queue-full", "request",
                   ("The request queue is full.",),
                   ("tests/test_http_native.py::test_queue_full_is_503",)),
@@ -143,6 +157,10 @@ CONTRACT = (
                   ("died unexpectedly", "Scheduler crashed:"),
                   ("tests/test_http_native.py::test_killed_scheduler_takes_the_server_down_with_its_cause",
                    "tests/test_engine_lifecycle.py::test_killed_scheduler_is_reported_to_callers")),
+    ContractEntry("lost-tp-rank", "running",
+                  ("Lost contact with",),
+                  ("tests/test_tp_serving.py::test_tp2_across_two_nodes_matches_tp1_and_a_lost_node_is_named",
+                   "tests/test_tp_serving.py::test_tp2_one_node_matches_tp1_and_a_dead_rank_stops_the_server")),
     ContractEntry("scheduler-watchdog", "running",
                   ("Scheduler watchdog: the scheduler did not answer for",),
                   ("tests/test_http_native.py::test_stuck_scheduler_trips_the_watchdog",)),

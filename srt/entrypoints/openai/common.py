@@ -24,9 +24,7 @@ logger = logging.getLogger(__name__)
 
 
 def error_response(exc: RequestError) -> web.Response:
-    # OpenAI types an unknown model as a request mistake, whatever its 404 status.
-    err_type = "invalid_request_error" if exc.code == "model_not_found" else None
-    return json_error(exc.status_code, exc.message, code=exc.code, param=exc.param, err_type=err_type)
+    return json_error(exc.status_code, exc.message, code=exc.code, param=exc.param)
 
 
 def json_response(obj: Any) -> web.Response:

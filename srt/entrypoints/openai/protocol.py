@@ -1,71 +1,22 @@
-"""OpenAI request validation: per-endpoint field whitelists, types and ranges, and the mapping
-of OpenAI sampling fields onto SGLang `sampling_params`.
-
-Every field is honoured or refused by name: supported fields are listed per endpoint, fields of
-the OpenAI API this server does not implement yet are refused unless they carry their no-op
-default, and anything else is an unknown field.
+"""OpenAI request validation: each field by its rule in `fields.py` (implemented, inert or taken at
+its default only), types and ranges, and the mapping of OpenAI sampling fields onto SGLang
+`sampling_params`. Any field outside the tables is an unknown field.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Union
 
 from aiohttp import web
 
-from managers.generate_input import RequestError
+from managers.generate_input import RequestError, check_field_rule
 from srt.entrypoints import http_server
+from srt.entrypoints.openai.fields import STREAM_OPTIONS_FIELDS
+from srt.sampling.sampling_params import IMPLEMENTED, DefaultOnly
 
 MAX_LOGPROBS = 20  # completions `logprobs` and chat `top_logprobs` upper bound
 MAX_N = 128
-
-# OpenAI sampling fields shared by both endpoints, plus SGLang / vLLM extensions that clients send
-# through the SDK's `extra_body` (e.g. `top_k`).
-COMMON_FIELDS = frozenset({
-    "model", "stream", "stream_options", "n", "stop", "max_tokens", "temperature", "top_p",
-    "frequency_penalty", "presence_penalty", "seed", "logit_bias", "user",
-    "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "skip_special_tokens",
-    "spaces_between_special_tokens", "stop_token_ids", "no_stop_trim", "cache_salt",
-})
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo"}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
-                               "chat_template_kwargs"}
-
-
-def _is_none(v: Any) -> bool:
-    return v is None
-
-
-def _none_or(*allowed: Any) -> Callable[[Any], bool]:
-    return lambda v: v is None or v in allowed
-
-
-def _text_format(v: Any) -> bool:
-    return v is None or v == {"type": "text"}
-
-
-# OpenAI fields not implemented yet: name -> accepts the value as a no-op (its default).
-COMPLETION_UNSUPPORTED: Dict[str, Callable[[Any], bool]] = {
-    "suffix": _none_or(""),
-    "best_of": _none_or(1),
-}
-CHAT_UNSUPPORTED: Dict[str, Callable[[Any], bool]] = {
-    "tools": _none_or([]),
-    "tool_choice": _none_or("none"),
-    "parallel_tool_calls": _is_none,
-    "functions": _none_or([]),
-    "function_call": _none_or("none"),
-    "response_format": _text_format,  # json_schema / regex land with structured output
-    "audio": _is_none,
-    "modalities": _none_or(["text"]),
-    "prediction": _is_none,
-    "reasoning_effort": _is_none,
-    "store": _none_or(False),
-    "metadata": _none_or({}),
-    "service_tier": _none_or("auto", "default"),
-    "web_search_options": _is_none,
-    "verbosity": _is_none,
-}
 
 
 def invalid(message: str, param: Optional[str] = None) -> RequestError:
@@ -81,32 +32,39 @@ async def read_json_body(request: web.Request) -> Dict[str, Any]:
     return body
 
 
-def check_fields(body: Mapping[str, Any], allowed: frozenset, unsupported: Dict[str, Callable[[Any], bool]],
-                 endpoint: str) -> None:
-    """Refuse unknown fields and unsupported fields that carry a non-default value, by name."""
+def check_fields(body: Mapping[str, Any], table: Mapping[str, Any], endpoint: str) -> None:
+    """Refuse unknown fields, and fields taken at their default only that carry another value, by name."""
     for key, value in body.items():
-        if key in allowed:
+        rule = table.get(key)
+        if rule is None:
+            supported = sorted(k for k, r in table.items() if not isinstance(r, DefaultOnly))
+            raise invalid(f"Unknown field '{key}' for {endpoint}. Supported fields: {', '.join(supported)}.", key)
+        if rule is IMPLEMENTED:
             continue
-        if key in unsupported:
-            if unsupported[key](value):
-                continue
+        if isinstance(rule, DefaultOnly) and rule.feature and not rule.accepts(value):
             raise invalid(f"'{key}' is not supported by this server yet ({endpoint}); remove it from the "
                           f"request.", key)
-        raise invalid(f"Unknown field '{key}' for {endpoint}. Supported fields: {', '.join(sorted(allowed))}.",
-                      key)
+        check_field_rule(key, value, rule)
 
 
-def check_model(body: Mapping[str, Any], served_name: str, model_path: Optional[str]) -> None:
-    """`model` may be omitted, or name the served model (its served name or its path)."""
+def check_model(body: Mapping[str, Any]) -> None:
+    """`model` may name any model, as with SGLang: the response reports the served model name."""
     model = body.get("model")
-    if model is None:
-        return
-    if not isinstance(model, str):
+    if model is not None and not isinstance(model, str):
         raise invalid(f"model must be a string, got {type(model).__name__}.", "model")
-    if model_matches(model, served_name, model_path):
-        return
-    raise RequestError(f"The model '{model}' does not exist. This server serves '{served_name}' "
-                       f"(see GET /v1/models).", 404, code="model_not_found", param="model")
+
+
+def client_rid(body: Mapping[str, Any], num_prompts: int) -> Optional[Union[str, List[str]]]:
+    """SGLang's `rid`: one string (a batch's prompts become `<rid>_<i>`) or one string per prompt."""
+    rid = body.get("rid")
+    if rid is None:
+        return None
+    if isinstance(rid, str) and rid:
+        return rid if num_prompts == 1 else [f"{rid}_{i}" for i in range(num_prompts)]
+    if isinstance(rid, list) and len(rid) == num_prompts and all(isinstance(r, str) and r for r in rid):
+        return rid[0] if num_prompts == 1 else rid
+    raise invalid(f"rid must be a non-empty string or a list of {num_prompts} non-empty strings (one per prompt), "
+                  f"got {rid!r}.", "rid")
 
 
 def model_matches(model: str, served_name: str, model_path: Optional[str]) -> bool:
@@ -159,9 +117,13 @@ def stream_options(body: Mapping[str, Any], stream: bool) -> bool:
                       "stream_options")
     if not isinstance(options, dict):
         raise invalid(f"stream_options must be an object, got {type(options).__name__}.", "stream_options")
-    for key in options:
-        if key != "include_usage":
-            raise invalid(f"Unknown field 'stream_options.{key}'. Supported: include_usage.", "stream_options")
+    for key, value in options.items():
+        rule = STREAM_OPTIONS_FIELDS.get(key)
+        if rule is None:
+            raise invalid(f"Unknown field 'stream_options.{key}'. Supported: {', '.join(STREAM_OPTIONS_FIELDS)}.",
+                          "stream_options")
+        if rule is not IMPLEMENTED:
+            check_field_rule(f"stream_options.{key}", value, rule)
     return get_bool(options, "include_usage")
 
 
@@ -180,9 +142,6 @@ _PASS_THROUGH_BOOLS = ("ignore_eos", "skip_special_tokens", "spaces_between_spec
 def sampling_params(body: Mapping[str, Any], max_tokens: Optional[int]) -> Dict[str, Any]:
     """SGLang `sampling_params` holding only what the client set (explicit keys matter to the
     context-length check); `max_tokens` is already resolved by the endpoint."""
-    user = body.get("user")  # an end-user id for the caller's own tracking: checked, not used
-    if user is not None and not isinstance(user, str):
-        raise invalid(f"user must be a string, got {type(user).__name__}.", "user")
     params: Dict[str, Any] = {}
     if max_tokens is not None:
         params["max_new_tokens"] = max_tokens
@@ -209,9 +168,10 @@ def sampling_params(body: Mapping[str, Any], max_tokens: Optional[int]) -> Dict[
     for name in _PASS_THROUGH_BOOLS:
         if body.get(name) is not None:
             params[name] = get_bool(body, name)
-    stop = _stop(body.get("stop"))
-    if stop:
-        params["stop"] = stop
+    for name in ("stop", "stop_regex"):
+        stops = _stop(body.get(name), name)
+        if stops:
+            params[name] = stops
     ids = body.get("stop_token_ids")
     if ids is not None:
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
@@ -223,12 +183,12 @@ def sampling_params(body: Mapping[str, Any], max_tokens: Optional[int]) -> Dict[
     return params
 
 
-def _stop(value: Any) -> Optional[list]:
+def _stop(value: Any, name: str) -> Optional[list]:
     if value is None:
         return None
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise invalid(f"stop must be a non-empty string or a list of non-empty strings, got {value!r}.", "stop")
+        raise invalid(f"{name} must be a non-empty string or a list of non-empty strings, got {value!r}.", name)
     return stops
 
 

@@ -17,12 +17,12 @@ from srt.entrypoints.openai.common import (
     new_id,
     serve_plan,
 )
+from srt.entrypoints.openai.fields import CHAT_FIELDS
 from srt.entrypoints.openai.protocol import (
-    CHAT_FIELDS,
-    CHAT_UNSUPPORTED,
     MAX_LOGPROBS,
     check_fields,
     check_model,
+    client_rid,
     get_bool,
     get_int,
     invalid,
@@ -59,6 +59,36 @@ def _template_kwargs(body: Dict[str, Any]) -> Dict[str, Any]:
     return kwargs
 
 
+def _given_input_ids(body: Dict[str, Any]) -> Optional[List[int]]:
+    """SGLang's chat `input_ids`: the prompt already tokenized, used instead of the chat template."""
+    ids = body.get("input_ids")
+    if ids is None:
+        return None
+    if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise invalid(f"input_ids must be a non-empty list of integer token ids, got {ids!r}.", "input_ids")
+    return ids
+
+
+async def _render(messages: Any, continue_final: bool, kwargs: Dict[str, Any], state: Any,
+                  prompt_tokenizer: PromptTokenizer) -> List[int]:
+    """Messages -> chat template -> token ids. With `continue_final_message`, a final assistant
+    message is not closed: its text follows the generation prompt and the model continues it (SGLang)."""
+    prefix = ""
+    if continue_final and isinstance(messages, list) and messages:
+        last = messages[-1]
+        if isinstance(last, dict) and last.get("role") == "assistant" and isinstance(last.get("content"), str):
+            messages, prefix = messages[:-1], last["content"]
+    tm = state.tokenizer_manager
+    prompt = tm.chat_to_prompt(messages, add_generation_prompt=True, **kwargs)
+    threshold = getattr(state.server_args, "tokenizer_worker_threshold", 4096)
+    ids = await prompt_tokenizer.encode(tm.tokenizer, prompt, threshold)
+    if prefix:
+        ids = ids + await prompt_tokenizer.encode(tm.tokenizer, prefix, threshold)
+    if not ids:
+        raise invalid("The messages rendered to an empty prompt.", "messages")
+    return ids
+
+
 @dataclass
 class ChatRequest:
     """A validated chat request and the state needed to answer it."""
@@ -73,8 +103,8 @@ class ChatRequest:
 
     @classmethod
     async def from_body(cls, body: Dict[str, Any], state: Any, prompt_tokenizer: PromptTokenizer) -> "ChatRequest":
-        check_fields(body, CHAT_FIELDS, CHAT_UNSUPPORTED, ENDPOINT)
-        check_model(body, state.model_name, getattr(state.server_args, "model_path", None))
+        check_fields(body, CHAT_FIELDS, ENDPOINT)
+        check_model(body)
         stream = get_bool(body, "stream")
         include_usage = stream_options(body, stream)
         logprobs = get_bool(body, "logprobs")
@@ -85,19 +115,20 @@ class ChatRequest:
         if body.get("messages") is None:
             raise invalid("messages is required: a non-empty list of {role, content} objects.", "messages")
         kwargs = _template_kwargs(body)
+        continue_final = get_bool(body, "continue_final_message")
         params = sampling_params(body, limit)  # validate sampling fields before tokenizing
+        rid = client_rid(body, 1)
         tm = state.tokenizer_manager
-        prompt = tm.chat_to_prompt(body["messages"], add_generation_prompt=True, **kwargs)
-        threshold = getattr(state.server_args, "tokenizer_worker_threshold", 4096)
-        ids = await prompt_tokenizer.encode(tm.tokenizer, prompt, threshold)
-        if not ids:
-            raise invalid("The messages rendered to an empty prompt.", "messages")
+        ids = _given_input_ids(body)
+        if ids is None:
+            ids = await _render(body["messages"], continue_final, kwargs, state, prompt_tokenizer)
         if limit is None and len(ids) < tm.context_len - 1:
             params["max_new_tokens"] = tm.context_len - len(ids) - 1  # OpenAI: the rest of the context
-        response_id = new_id("chatcmpl")
+        response_id = rid or new_id("chatcmpl")  # SGLang answers with the request's own id
         obj = GenerateReqInput(
             input_ids=ids, sampling_params=params, rid=response_id, stream=stream, return_logprob=logprobs,
-            top_logprobs_num=top, return_text_in_logprobs=True, cache_salt=body.get("cache_salt"))
+            top_logprobs_num=top, return_text_in_logprobs=True, extra_key=body.get("extra_key"),
+            cache_salt=body.get("cache_salt"))
         view = GenerationView(response_id, state.model_name, params.get("n", 1))
         return cls(obj, view, stream, include_usage, logprobs, top)
 

@@ -16,12 +16,12 @@ from srt.entrypoints.openai.common import (
     new_id,
     serve_plan,
 )
+from srt.entrypoints.openai.fields import COMPLETION_FIELDS
 from srt.entrypoints.openai.protocol import (
-    COMPLETION_FIELDS,
-    COMPLETION_UNSUPPORTED,
     MAX_LOGPROBS,
     check_fields,
     check_model,
+    client_rid,
     get_bool,
     get_int,
     invalid,
@@ -81,8 +81,8 @@ class CompletionRequest:
 
     @classmethod
     def from_body(cls, body: Dict[str, Any], state: Any) -> "CompletionRequest":
-        check_fields(body, COMPLETION_FIELDS, COMPLETION_UNSUPPORTED, ENDPOINT)
-        check_model(body, state.model_name, getattr(state.server_args, "model_path", None))
+        check_fields(body, COMPLETION_FIELDS, ENDPOINT)
+        check_model(body)
         stream = get_bool(body, "stream")
         include_usage = stream_options(body, stream)
         echo = get_bool(body, "echo")
@@ -94,12 +94,17 @@ class CompletionRequest:
         max_tokens = get_int(body, "max_tokens", 0)
         text, ids, num_prompts = _prompts(body.get("prompt"))
         params = sampling_params(body, DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens)
-        response_id = new_id("cmpl")
-        rid: Any = response_id if num_prompts == 1 else [f"{response_id}-p{i}" for i in range(num_prompts)]
+        rid: Any = client_rid(body, num_prompts)
+        if rid is None:
+            response_id = new_id("cmpl")
+            rid = response_id if num_prompts == 1 else [f"{response_id}-p{i}" for i in range(num_prompts)]
+        else:  # SGLang answers with the request's own id (a batch's: its first prompt's)
+            response_id = rid if isinstance(rid, str) else rid[0]
         obj = GenerateReqInput(
             text=text, input_ids=ids, sampling_params=params, rid=rid, stream=stream,
             return_logprob=k is not None, logprob_start_len=0 if echo and k is not None else -1,
-            top_logprobs_num=k or 0, return_text_in_logprobs=True, cache_salt=body.get("cache_salt"))
+            top_logprobs_num=k or 0, return_text_in_logprobs=True, extra_key=body.get("extra_key"),
+            cache_salt=body.get("cache_salt"))
         single = text if text is not None else ids
         values = [single] if num_prompts == 1 else list(single)
         view = GenerationView(response_id, state.model_name, params.get("n", 1))

@@ -288,7 +288,8 @@ GENERATE_FIELDS: Dict[str, Any] = {
     "return_sampling_mask": DefaultOnly(None, (False,)), "sampling_logprobs_mode": _NULL,
     "return_flat_raw_top_logprobs": _FALSE, "return_flat_raw_output_top_logprobs": _FALSE,
     "return_flat_raw_top_logprobs_b64": _FALSE,
-    # caller-side ids and labels
+    # caller-side ids and labels; `model` is not SGLang's but sglang-router adds it to /generate
+    "model": Inert((str,), "any model name is served (sglang-router names one on /generate)"),
     "session_id": _CALLER_ID, "conversation_id": _CALLER_ID,
     "custom_labels": Inert((dict,), "metric labels of the caller; this server's metrics have none"),
     # multimodal inputs

@@ -51,12 +51,13 @@ def post(url: str, body: Dict[str, Any], timeout: float = 300.0) -> Any:
 
 
 class Server:
-    def __init__(self, model: str, device: str, dtype: str, extra: List[str], log_dir: Path, name: str):
+    def __init__(self, model: str, device: str, dtype: str, extra: List[str], log_dir: Path, name: str,
+                 common: Optional[List[str]] = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"server-{name}.log"
         cmd = [sys.executable, "-m", "srt.launch_server", "--model-path", model, "--device", device,
-               "--dtype", dtype, "--port", str(self.port), *COMMON_FLAGS, *extra]
+               "--dtype", dtype, "--port", str(self.port), *(COMMON_FLAGS if common is None else common), *extra]
         env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
         self.cmd = cmd

@@ -174,7 +174,7 @@ def test_our_field_tables_cover_every_sglang_field():
     from srt.entrypoints.openai.fields import CHAT_FIELDS, COMPLETION_FIELDS
     from srt.sampling.sampling_params import SAMPLING_FIELDS
 
-    assert set(GENERATE_FIELDS) == set(GENERATE_DEFAULTS)
+    assert set(GENERATE_FIELDS) == set(GENERATE_DEFAULTS) | {"model"}  # sglang-router adds `model`
     assert set(SAMPLING_FIELDS) == set(SAMPLING_DEFAULTS)
     assert set(COMPLETION_DEFAULTS) <= set(COMPLETION_FIELDS)
     assert set(CHAT_DEFAULTS) | {"reasoning"} <= set(CHAT_FIELDS)
@@ -313,6 +313,8 @@ def test_any_model_name_is_served_and_the_served_name_reported(server):
         chat = ok(server.post("/v1/chat/completions", json=chat_body(model=model)))
         assert completion["model"] == chat["model"] == SERVED
     assert refusal(server.post("/v1/completions", json=completion_body(model=5)))["param"] == "model"
+    native = ok(server.post("/generate", json={"text": "Hi", "model": "any", "sampling_params": {"max_new_tokens": 2}}))
+    assert native["meta_info"]["completion_tokens"] == 2
 
 
 def test_caller_ids_and_labels_pass_through_generate(server):

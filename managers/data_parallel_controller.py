@@ -2,7 +2,8 @@
 
 Each replica (its own TP group, KV pool and radix cache) listens on its own socket. A new
 request goes to one replica, chosen by SGLang's `--load-balance-method`: `round_robin` (in turn)
-or `shortest_queue` (fewest requests in flight from this front end, lowest index on a tie). An
+or `shortest_queue` (fewest requests in flight from this front end, lowest index on a tie),
+unless the request names its `data_parallel_rank` (sglang-router's `--dp-aware` mode). An
 n > 1 request stays whole on its replica, so its children share the cached prompt. Aborts and
 admin queries go to every replica; their replies are merged by `merge_loads` / `merge_flushes`.
 """
@@ -40,7 +41,8 @@ class DataParallelController:
 
     def send(self, msg: object) -> None:
         if isinstance(msg, TokenizedGenerateReqInput):
-            replica = self.pick()
+            chosen = msg.data_parallel_rank
+            replica = self.pick() if chosen is None else chosen
             self.owner[msg.rid] = replica
             self.inflight[replica] += 1
             self.dispatched[replica] += 1

@@ -74,6 +74,7 @@ class GenerateReqItem:
     token_ids_logprob: Optional[List[int]] = None
     return_text_in_logprobs: bool = False
     extra_key: Optional[Hashable] = None
+    data_parallel_rank: Optional[int] = None
 
 
 @dataclass
@@ -94,6 +95,7 @@ class GenerateReqInput:
     return_text_in_logprobs: bool = False
     extra_key: Optional[Union[str, List[str]]] = None
     cache_salt: Optional[Union[str, List[str]]] = None
+    data_parallel_rank: Optional[int] = None  # the replica to run on (sglang-router --dp-aware); range checked later
 
     @classmethod
     def from_dict(cls, body: Any) -> "GenerateReqInput":
@@ -142,6 +144,8 @@ class GenerateReqInput:
         token_ids = self._token_ids_logprob(n, single)
         keys = _per_item(self.extra_key, "extra_key", n, single, _check_key)
         salts = _per_item(self.cache_salt, "cache_salt", n, single, _check_key)
+        if self.data_parallel_rank is not None and (not _is_int(self.data_parallel_rank) or self.data_parallel_rank < 0):
+            _fail(f"data_parallel_rank must be an integer >= 0, got {self.data_parallel_rank!r}.", "data_parallel_rank")
         items = []
         for i, (text, ids) in enumerate(prompts):
             items.append(GenerateReqItem(
@@ -150,7 +154,7 @@ class GenerateReqInput:
                 logprob_start_len=-1 if start[i] is None else start[i],
                 top_logprobs_num=top[i] or 0, token_ids_logprob=token_ids[i] or None,
                 return_text_in_logprobs=self.return_text_in_logprobs,
-                extra_key=_namespace(keys[i], salts[i])))
+                extra_key=_namespace(keys[i], salts[i]), data_parallel_rank=self.data_parallel_rank))
         return items
 
     # ------------------------------------------------------------------ pieces
@@ -308,7 +312,7 @@ GENERATE_FIELDS: Dict[str, Any] = {
     "session_params": _NULL,
     # disaggregation and routing
     "bootstrap_host": _NULL, "bootstrap_port": _NULL, "bootstrap_room": _NULL, "bootstrap_pair_key": _NULL,
-    "decode_tp_size": _NULL, "routed_dp_rank": _NULL, "data_parallel_rank": _NULL,  # the balancer picks the rank
+    "decode_tp_size": _NULL, "routed_dp_rank": _NULL, "data_parallel_rank": IMPLEMENTED,
     "disagg_prefill_dp_rank": _NULL, "routing_key": _NULL, "http_worker_ipc": _NULL, "kv_hints": _NULL,
     # scheduling, reasoning, logging
     "priority": _NULL, "background": _FALSE, "require_reasoning": _FALSE, "max_thinking_tokens": _NULL,

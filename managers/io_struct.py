@@ -24,6 +24,7 @@ class TokenizedGenerateReqInput:
     token_ids_logprob: Optional[List[int]] = None
     stream: bool = False
     extra_key: Optional[Hashable] = None
+    data_parallel_rank: Optional[int] = None  # a replica the caller chose (else the controller picks)
 
 
 @dataclass

@@ -237,6 +237,10 @@ class TokenizerManager:
                 raise RequestError(f"sampling_params.{name} is not supported by this server yet (structured output "
                                    f"is not implemented); remove it.", 400, code="invalid_request_error",
                                    param=f"sampling_params.{name}")
+        if item.data_parallel_rank is not None and item.data_parallel_rank >= self.dp_size:
+            raise RequestError(f"data_parallel_rank must be in [0, {self.dp_size}) for this server (--dp-size "
+                               f"{self.dp_size}), got {item.data_parallel_rank}.", 400,
+                               code="invalid_request_error", param="data_parallel_rank")
         if item.input_ids is not None:
             ids = item.input_ids
             self._check_token_ids(ids, "input_ids")
@@ -260,7 +264,7 @@ class TokenizerManager:
             rid=item.rid, input_ids=ids, sampling_params=sampling_params, input_text=item.text,
             return_logprob=item.return_logprob, logprob_start_len=item.logprob_start_len,
             top_logprobs_num=item.top_logprobs_num, token_ids_logprob=item.token_ids_logprob,
-            stream=item.stream, extra_key=item.extra_key)
+            stream=item.stream, extra_key=item.extra_key, data_parallel_rank=item.data_parallel_rank)
         return _Prepared(req, meta_extra, item)
 
     def _check_context(self, ids: List[int], sp: SamplingParams, explicit_max_new: bool,

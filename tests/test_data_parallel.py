@@ -82,3 +82,9 @@ def test_dp2_serves_on_both_replicas_with_dp1_results(llama_model, method):
                         and f'dp_rank="{d}"' in l)
             assert float(line.rsplit(" ", 1)[1]) == counts[d]
         assert two.post("/flush_cache").status_code == 200
+        before = counts[1]
+        for _ in range(3):  # a named replica wins over the balancer
+            r = two.post("/generate", json={"input_ids": prompts[0], "data_parallel_rank": 1, "sampling_params": PARAMS})
+            assert r.status_code == 200 and r.json()["output_ids"] == expected[0]
+        after = two.get("/get_server_info").json()["load"]["replicas"][1]["counters"]["num_requests"]
+        assert after == before + 3

@@ -98,7 +98,7 @@ GENERATE_NON_DEFAULT: Dict[str, Any] = {
     "return_indexer_topk": True, "modalities": ["image"], "session_params": {"id": "s1"}, "lora_path": "adapter",
     "lora_id": "adapter-1", "custom_logit_processor": "{}", "positional_embed_overrides": {"0": [0.5]},
     "bootstrap_host": "10.0.0.1", "bootstrap_port": 8998, "bootstrap_room": 7, "bootstrap_pair_key": "k",
-    "decode_tp_size": 2, "routed_dp_rank": 0, "data_parallel_rank": 1, "disagg_prefill_dp_rank": 0,
+    "decode_tp_size": 2, "routed_dp_rank": 0, "disagg_prefill_dp_rank": 0,
     "routing_key": "tenant-a", "http_worker_ipc": "ipc:///tmp/w", "background": True, "require_reasoning": True,
     "max_thinking_tokens": 64, "priority": 5, "no_logs": True, "return_bytes": True, "return_entropy": True,
     "return_prompt_token_ids": True, "external_trace_header": {"traceparent": "00-1-2-01"}, "received_time": 1.5,
@@ -315,6 +315,17 @@ def test_any_model_name_is_served_and_the_served_name_reported(server):
     assert refusal(server.post("/v1/completions", json=completion_body(model=5)))["param"] == "model"
     native = ok(server.post("/generate", json={"text": "Hi", "model": "any", "sampling_params": {"max_new_tokens": 2}}))
     assert native["meta_info"]["completion_tokens"] == 2
+
+
+def test_data_parallel_rank_is_honoured_within_the_replicas(server):
+    """Implemented on /generate (sglang-router --dp-aware names a replica): 0 is this server's
+    only replica; a rank past --dp-size is a 400 naming the field and the range."""
+    ok(server.post("/generate", json={"text": "Hi", "data_parallel_rank": 0, "sampling_params": {"max_new_tokens": 1}}))
+    error = refusal(server.post("/generate", json={"text": "Hi", "data_parallel_rank": 1}))
+    assert error["message"] == "data_parallel_rank must be in [0, 1) for this server (--dp-size 1), got 1."
+    assert error["param"] == "data_parallel_rank"
+    assert refusal(server.post("/generate", json={"text": "Hi", "data_parallel_rank": -1}))["param"] == \
+        "data_parallel_rank"
 
 
 def test_caller_ids_and_labels_pass_through_generate(server):

@@ -159,11 +159,27 @@ def _loop(scheduler, channels, rank: RankInfo, stop) -> None:
         scheduler.step()
 
 
+def _share_cpu_threads(server_args) -> None:
+    """CPU with several local ranks: split the cores between them (unless OMP_NUM_THREADS says),
+    so TP/DP ranks do not oversubscribe the machine."""
+    import os
+
+    import torch
+
+    from srt.distributed.tp_config import local_rank_count
+
+    ranks = local_rank_count(server_args)
+    if ranks > 1 and server_args.device != "cuda" and "OMP_NUM_THREADS" not in os.environ:
+        if server_args.device == "cpu" or not torch.cuda.is_available():
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
+
+
 def _build(server_args, port_args, rank: RankInfo):
     from managers.scheduler import Scheduler
     from srt.model_executor.model_runner import ModelRunner
     from srt.utils.hf_transformers_utils import get_tokenizer
 
+    _share_cpu_threads(server_args)
     runner = ModelRunner(server_args, tp_rank=rank.tp_rank, dist_init_method=rank.dist_init_method,
                          gpu_id=rank.gpu_id)
     tokenizer = get_tokenizer(server_args.tokenizer_path, trust_remote_code=server_args.trust_remote_code)

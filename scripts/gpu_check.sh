@@ -58,14 +58,14 @@ STEPS="$RESULTS/steps.jsonl"
 : > "$STEPS"
 step() {  # step NAME TIMEOUT_S CMD...: run, time and record one step (never stops the script)
     local name=$1 limit=$2; shift 2
-    local t0=$(date +%s.%N)
+    local t0=$(date +%s)
     echo "== $name"
     timeout "$limit" "$@" > "$RESULTS/$name.log" 2>&1
     local rc=$?
-    local secs=$(echo "$(date +%s.%N) - $t0" | bc)
+    local secs=$(( $(date +%s) - t0 ))
     tail -n 25 "$RESULTS/$name.log"
     printf '{"step": "%s", "rc": %d, "seconds": %.1f}\n' "$name" "$rc" "$secs" >> "$STEPS"
-    echo "== $name: rc=$rc in ${secs%.*} s"
+    echo "== $name: rc=$rc in ${secs} s"
 }
 
 MODELS=/tmp/gpu_check_models

@@ -117,7 +117,7 @@ OPENAI_NON_DEFAULT: Dict[str, Any] = {  # both endpoints
     "lora_path": "adapter", "session_params": {"id": "s1"}, "custom_params": {"a": 1},
     "custom_logit_processor": "{}", "watermark": {"enabled": True}, "images_config": {"a": 1},
     "mm_processor_kwargs": {"a": 1}, "priority": 2, "bootstrap_host": "10.0.0.1", "bootstrap_port": 8998,
-    "bootstrap_room": 3, "disagg_prefill_dp_rank": 1, "routed_dp_rank": 2, "data_parallel_rank": 1,
+    "bootstrap_room": 3, "disagg_prefill_dp_rank": 1, "routed_dp_rank": 2,
 }
 COMPLETION_NON_DEFAULT: Dict[str, Any] = {**OPENAI_NON_DEFAULT, "best_of": 3, "suffix": " the end"}
 CHAT_NON_DEFAULT: Dict[str, Any] = {
@@ -326,6 +326,9 @@ def test_data_parallel_rank_is_honoured_within_the_replicas(server):
     assert error["param"] == "data_parallel_rank"
     assert refusal(server.post("/generate", json={"text": "Hi", "data_parallel_rank": -1}))["param"] == \
         "data_parallel_rank"
+    for endpoint, body in (("/v1/completions", completion_body), ("/v1/chat/completions", chat_body)):
+        ok(server.post(endpoint, json=body(data_parallel_rank=0)))
+        assert refusal(server.post(endpoint, json=body(data_parallel_rank=1)))["param"] == "data_parallel_rank"
 
 
 def test_caller_ids_and_labels_pass_through_generate(server):

@@ -41,7 +41,7 @@ _COMMON: Dict[str, Any] = {
     "watermark": _NULL, "images_config": _NULL, "mm_processor_kwargs": _NULL, "priority": _NULL,
     # routing: PD disaggregation and data parallelism
     "bootstrap_host": _NULL, "bootstrap_port": _NULL, "bootstrap_room": _NULL, "disagg_prefill_dp_rank": _NULL,
-    "routed_dp_rank": _NULL, "data_parallel_rank": _NULL,  # the balancer picks the rank
+    "routed_dp_rank": _NULL, "data_parallel_rank": IMPLEMENTED,  # pins a replica (sglang-router --dp-aware)
 }
 
 COMPLETION_FIELDS: Dict[str, Any] = {

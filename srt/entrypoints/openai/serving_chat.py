@@ -128,7 +128,7 @@ class ChatRequest:
         obj = GenerateReqInput(
             input_ids=ids, sampling_params=params, rid=response_id, stream=stream, return_logprob=logprobs,
             top_logprobs_num=top, return_text_in_logprobs=True, extra_key=body.get("extra_key"),
-            cache_salt=body.get("cache_salt"))
+            cache_salt=body.get("cache_salt"), data_parallel_rank=body.get("data_parallel_rank"))
         view = GenerationView(response_id, state.model_name, params.get("n", 1))
         return cls(obj, view, stream, include_usage, logprobs, top)
 

@@ -104,7 +104,7 @@ class CompletionRequest:
             text=text, input_ids=ids, sampling_params=params, rid=rid, stream=stream,
             return_logprob=k is not None, logprob_start_len=0 if echo and k is not None else -1,
             top_logprobs_num=k or 0, return_text_in_logprobs=True, extra_key=body.get("extra_key"),
-            cache_salt=body.get("cache_salt"))
+            cache_salt=body.get("cache_salt"), data_parallel_rank=body.get("data_parallel_rank"))
         single = text if text is not None else ids
         values = [single] if num_prompts == 1 else list(single)
         view = GenerationView(response_id, state.model_name, params.get("n", 1))

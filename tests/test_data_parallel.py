@@ -88,3 +88,14 @@ def test_dp2_serves_on_both_replicas_with_dp1_results(llama_model, method):
             assert r.status_code == 200 and r.json()["output_ids"] == expected[0]
         after = two.get("/get_server_info").json()["load"]["replicas"][1]["counters"]["num_requests"]
         assert after == before + 3
+
+
+def test_dp2_times_tp2_runs_four_ranks_with_dp1_results(llama_model):
+    prompts = random_prompts(512, [5, 9, 13, 6], seed=8)
+    with running_server(llama_model, *ARGS) as one:
+        expected = _generate_each(one, prompts)
+    with running_server(llama_model, *ARGS, "--dp-size", "2", "--tp-size", "2") as both:
+        assert _generate_each(both, prompts) == expected
+        info = both.get("/get_server_info").json()
+        assert set(info["pids"]) == {"Scheduler", "Scheduler TP1", "Scheduler DP1", "Scheduler DP1 TP1", "Detokenizer"}
+        assert min(r["counters"]["num_requests"] for r in info["load"]["replicas"]) > 0

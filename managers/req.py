@@ -69,6 +69,7 @@ class Req:
         self.extend_input_len = 0
         self.is_chunked = 0
 
+        self.grammar: Any = None  # a BaseGrammarObject matcher (regex / json_schema / ebnf requests)
         self.finished_reason: Optional[BaseFinishReason] = None
         self.to_abort: Optional[FINISH_ABORT] = None
         self.cached_tokens = 0  # prompt tokens served from the cache on first admission
@@ -144,6 +145,9 @@ class Req:
         if not self.output_ids:
             return
         last = self.output_ids[-1]
+        if self.grammar is not None and self.grammar.is_terminated():  # the grammar's end was matched
+            self.finished_reason = FINISH_MATCHED_TOKEN(last)
+            return
         if len(self.output_ids) >= sp.min_new_tokens:
             if last in (sp.stop_token_ids or ()) or (not sp.ignore_eos and last in self.eos_token_ids):
                 self.finished_reason = FINISH_MATCHED_TOKEN(last)

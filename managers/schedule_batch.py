@@ -92,7 +92,7 @@ class ScheduleBatch:
             [r.req_pool_idx for r in self.reqs], out_loc, logprob_starts if want_input else None,
         )
         self.prefix_lens, self.seq_lens_cpu = prefix_lens, seq_lens
-        fb.sampling_info = self._sampling_info()
+        fb.sampling_info = self._with_grammar_mask(self._sampling_info())
         return fb
 
     @staticmethod
@@ -134,7 +134,7 @@ class ScheduleBatch:
             r.kv_allocated_len = r.kv_committed_len = r.kv_committed_len + 1
         input_ids = host_to_device([r.output_ids[-1] for r in self.reqs], torch.int64, self.device)
         fb = ForwardBatch.create_decode(self.runner, input_ids, new_lens, rows, out_loc)
-        fb.sampling_info = self._decode_sampling_info(input_ids)
+        fb.sampling_info = self._with_grammar_mask(self._decode_sampling_info(input_ids))
         assert fb.batch_size == bs
         return fb
 
@@ -157,6 +157,20 @@ class ScheduleBatch:
         else:
             info = self._sampling_info()
         self._sampling_cache = (key, generated, info)
+        return info
+
+    def _with_grammar_mask(self, info: SamplingBatchInfo) -> SamplingBatchInfo:
+        """This step's disallowed tokens for the constrained rows (filled on the host by each
+        request's matcher, then one copy); None when no request is constrained."""
+        rows = [i for i, r in enumerate(self.reqs) if r.grammar is not None]
+        if not rows:
+            info.vocab_mask = None
+            return info
+        mask = torch.zeros((len(self.reqs), info.vocab_size), dtype=torch.bool, device="cpu")
+        for i in rows:
+            self.reqs[i].grammar.fill_vocab_mask(mask[i])
+        info.vocab_mask = mask.pin_memory().to(self.device, non_blocking=True) if self.device != "cpu" and \
+            str(self.device).startswith("cuda") else mask
         return info
 
     def _sampling_info(self) -> SamplingBatchInfo:

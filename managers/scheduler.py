@@ -18,6 +18,7 @@ from managers.req import Req
 from managers.schedule_batch import KVAllocError, ScheduleBatch
 from managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
 from managers.scheduler_admission import AdmissionControl
+from managers.scheduler_grammar import GrammarManager
 from managers.scheduler_output import accumulate_input_logprobs, append_token, build_output
 from mem_cache.chunk_cache import ChunkCache
 from mem_cache.radix_cache import RadixCache
@@ -43,6 +44,7 @@ class Scheduler:
                                          eviction_policy=server_args.radix_eviction_policy)
         self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache)
         self.admission = AdmissionControl(self)
+        self.grammars = GrammarManager(self)
         self.waiting_queue: List[Req] = []
         self.parked: dict = {}  # n > 1: children waiting for their shared prefix to be cached
         self.running_batch = ScheduleBatch([], model_runner, self.tree_cache)
@@ -136,6 +138,8 @@ class Scheduler:
         if self.chunked_req is not None:
             self.chunked_req = adder.add_chunked_req(self.chunked_req)
         for req in list(self.waiting_queue):
+            if not self.grammars.ready(req):  # its grammar is still compiling (or failed: aborted)
+                continue
             req.init_next_round_input(self.tree_cache)  # fresh match (cheap; lpm already matched)
             if adder.add_one_req(req, has_chunked_req=self.chunked_req is not None) != AddReqResult.CONTINUE:
                 break

@@ -19,6 +19,8 @@ def append_token(req: Req, i: int, token: int, sample: "SampleOutputHost") -> No
     """Append one output token and exactly one logprob entry for it (`sample` is the step's
     host copy, so nothing here reads the device)."""
     req.output_ids.append(token)
+    if req.grammar is not None:
+        req.grammar.accept_token(token)
     if not req.return_logprob or sample.logprobs is None:
         return
     req.output_token_logprobs_val.append(sample.logprobs[i])

@@ -30,6 +30,7 @@ from managers.io_struct import (
 )
 from managers.data_parallel_controller import merge_flushes, merge_loads
 from managers.template_manager import TemplateManager
+from srt.constrained.base_grammar_backend import GrammarError, create_grammar_backend, grammar_key
 from srt.sampling.sampling_params import SamplingParams
 
 __all__ = ["RequestError", "ReqState", "TokenizerManager", "TokenizerMetrics"]
@@ -137,6 +138,7 @@ class TokenizerManager:
         self._pending: Dict[type, Deque[asyncio.Future]] = {FlushCacheReqOutput: deque(), GetLoadReqOutput: deque()}
         self._token_text: Dict[int, str] = {}
         self._executor: Optional[ThreadPoolExecutor] = None
+        self._grammar_backend: Any = None
         self._worker_tokenizer: Any = None
 
     # ------------------------------------------------------------------ public API
@@ -232,11 +234,7 @@ class TokenizerManager:
             sampling_params.verify(self.vocab_size)
         except ValueError as exc:
             raise RequestError(str(exc), 400, code="invalid_request_error", param="sampling_params") from None
-        for name in ("regex", "json_schema", "ebnf"):  # parsed, not implemented: never silently ignored
-            if getattr(sampling_params, name) is not None:
-                raise RequestError(f"sampling_params.{name} is not supported by this server yet (structured output "
-                                   f"is not implemented); remove it.", 400, code="invalid_request_error",
-                                   param=f"sampling_params.{name}")
+        await self._check_grammar(sampling_params)
         if item.data_parallel_rank is not None and item.data_parallel_rank >= self.dp_size:
             raise RequestError(f"data_parallel_rank must be in [0, {self.dp_size}) for this server (--dp-size "
                                f"{self.dp_size}), got {item.data_parallel_rank}.", 400,
@@ -422,6 +420,21 @@ class TokenizerManager:
                 yield out if flat_single else {**out, "index": index}
         if not stream:
             yield finals[0] if flat_single else [finals[i] for i in range(total)]
+
+    async def _check_grammar(self, sampling_params: SamplingParams) -> None:
+        """A regex / json_schema / ebnf that does not compile is a 400 naming the field, before
+        anything is sent (compiled once per distinct grammar, in the backend's thread)."""
+        key = grammar_key(sampling_params)
+        if key is None:
+            return
+        if self._grammar_backend is None:
+            name = getattr(self.server_args, "grammar_backend", "llguidance")
+            self._grammar_backend = create_grammar_backend(name, self.tokenizer, self.vocab_size)
+        try:
+            await asyncio.wrap_future(self._grammar_backend.get_future(key))
+        except GrammarError as exc:
+            raise RequestError(str(exc), 400, code="invalid_request_error",
+                               param=f"sampling_params.{exc.field}") from None
 
     async def _request_replies(self, request: Any, reply_type: type) -> List[Any]:
         """Send an admin query and wait for its reply from every data-parallel replica."""

@@ -121,6 +121,8 @@ class ServerArgs:
     disable_radix_cache: bool = _opt(False, "Never share KV between requests.")
     radix_eviction_policy: str = _opt("lru", "Eviction order of the radix cache.", ("lru", "lfu"))
     allow_auto_truncate: bool = _opt(False, "Truncate over-long inputs instead of refusing them.")
+    grammar_backend: str = _opt("llguidance", "Library that compiles regex / json_schema / ebnf constraints.",
+                                ("llguidance",))
     # Front end.
     chat_template: Optional[str] = _opt(None, "Chat template: a Jinja file, or a built-in name (chatml).")
     served_model_name: Optional[str] = _opt(None, "Model name reported by the API (default: the model path).")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import re
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -125,7 +127,9 @@ def test_flush_cache_and_cached_tokens(engine):
 def test_unimplemented_and_out_of_range_fields_are_refused_not_ignored(engine):
     from managers.generate_input import RequestError
 
-    with pytest.raises(RequestError, match="sampling_params.regex is not supported"):
-        engine.generate("Hello", {"max_new_tokens": 2, "regex": "[a-z]+"})
+    with pytest.raises(RequestError, match="sampling_params.regex does not compile"):
+        engine.generate("Hello", {"max_new_tokens": 2, "regex": "[a-z"})
+    out = engine.generate("Hello", {"max_new_tokens": 6, "regex": "[a-z]{3}", "temperature": 1.0})
+    assert re.fullmatch("[a-z]{3}", out["text"]), out["text"]
     with pytest.raises(RequestError, match=r"logprob_start_len \(99\) must be smaller than the input length"):
         engine.generate("Hello", {"max_new_tokens": 2}, return_logprob=True, logprob_start_len=99)

@@ -109,8 +109,7 @@ GENERATE_NON_DEFAULT: Dict[str, Any] = {
 }
 SAMPLING_NON_DEFAULT: Dict[str, Any] = {"beam_width": 4, "stream_interval": 8, "custom_params": {"bias": 1},
                                         "watermark": {"enabled": True}}
-SAMPLING_STRUCTURED: Dict[str, Any] = {"regex": "[a-z]+", "json_schema": "{}", "ebnf": "root ::= \"a\"",
-                                       "structural_tag": "{}"}
+SAMPLING_STRUCTURED: Dict[str, Any] = {"structural_tag": "{}"}  # regex / json_schema / ebnf are implemented
 OPENAI_NON_DEFAULT: Dict[str, Any] = {  # both endpoints
     "return_hidden_states": True, "return_routed_experts": True, "routed_experts_start_len": 1,
     "return_cached_tokens_details": True, "return_spec_tokens_details": True, "return_token_ids": True,

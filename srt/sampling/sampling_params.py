@@ -284,7 +284,7 @@ SAMPLING_FIELDS: Dict[str, Any] = {
     "frequency_penalty": IMPLEMENTED, "presence_penalty": IMPLEMENTED, "repetition_penalty": IMPLEMENTED,
     "ignore_eos": IMPLEMENTED, "skip_special_tokens": IMPLEMENTED, "spaces_between_special_tokens": IMPLEMENTED,
     "no_stop_trim": IMPLEMENTED, "logit_bias": IMPLEMENTED, "sampling_seed": IMPLEMENTED,
-    "regex": _STRUCTURED, "json_schema": _STRUCTURED, "ebnf": _STRUCTURED, "structural_tag": _STRUCTURED,
+    "regex": IMPLEMENTED, "json_schema": IMPLEMENTED, "ebnf": IMPLEMENTED, "structural_tag": _STRUCTURED,
     "beam_width": DefaultOnly(None, (1,)),  # one beam is plain decoding; beam search is not implemented
     "stream_interval": DefaultOnly(),        # per request; the server's --stream-interval applies to all
     "custom_params": DefaultOnly(),          # input of a custom logit processor, which is not implemented

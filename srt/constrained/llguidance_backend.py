@@ -1,0 +1,72 @@
+"""llguidance (a Rust library with Python bindings, no required dependencies) behind the grammar
+interface. Regexes and JSON schemas go through llguidance's own compilers; EBNF (GBNF syntax)
+through its GBNF-to-Lark converter."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from srt.constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject, GrammarError, GrammarKey
+
+_BITS = torch.arange(32, dtype=torch.int32, device="cpu")
+
+
+class GuidanceGrammar(BaseGrammarObject):
+    def __init__(self, matcher, vocab_size: int):
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+
+    def fill_vocab_mask(self, mask_row: torch.Tensor) -> None:
+        words = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.int32)
+        allowed = ((words[:, None] >> _BITS) & 1).view(-1)[: mask_row.numel()]
+        mask_row[: allowed.numel()] = allowed == 0
+        mask_row[allowed.numel():] = True
+
+    def accept_token(self, token: int) -> bool:
+        return bool(self.matcher.consume_token(int(token)))
+
+    def rollback(self, num_tokens: int) -> None:
+        self.matcher.rollback(num_tokens)
+
+    def is_terminated(self) -> bool:
+        return bool(self.matcher.is_stopped())
+
+    def copy(self) -> "GuidanceGrammar":
+        return GuidanceGrammar(self.matcher.deep_copy(), self.vocab_size)
+
+
+class GuidanceBackend(BaseGrammarBackend):
+    def __init__(self, tokenizer, vocab_size: int):
+        super().__init__()
+        import llguidance
+        import llguidance.hf
+
+        self._ll = llguidance
+        self.vocab_size = vocab_size
+        self.ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+
+    def _compile(self, key: GrammarKey) -> GuidanceGrammar:
+        kind, text = key
+        matcher_cls = self._ll.LLMatcher
+        if kind == "regex":
+            grammar, field = matcher_cls.grammar_from_regex(text), "regex"
+        elif kind == "json":
+            try:
+                schema = json.loads(text)
+            except ValueError as exc:
+                raise GrammarError("json_schema", f"not valid JSON: {exc}") from None
+            # Compact separators unless the schema's own "x-guidance" says otherwise: a flexible
+            # whitespace rule would let a weak model pad forever instead of closing the object.
+            defaults = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+            grammar, field = matcher_cls.grammar_from_json_schema(schema, defaults=defaults), "json_schema"
+        else:
+            grammar, field = matcher_cls.grammar_from_lark(self._ll.gbnf_to_lark(text)), "ebnf"
+        is_error, messages = matcher_cls.validate_grammar_with_warnings(grammar, self.ll_tokenizer)
+        if is_error:
+            raise GrammarError(field, messages[0] if messages else "invalid grammar")
+        matcher = matcher_cls(self.ll_tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(field, matcher.get_error())
+        return GuidanceGrammar(matcher, self.vocab_size)

@@ -1,0 +1,96 @@
+"""Grammar-constrained decoding on a random-weight tiny model: the grammar, not the model,
+guarantees the output. Sampled at temperature 1.0, every output must match (`re.fullmatch`,
+`jsonschema`), also with n = 4, forced retraction, chunked prefill and page size 16."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from server_utils import running_server
+
+IPV4 = r"((25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\.){3}(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+INTEGER = r"-?(0|[1-9][0-9]{0,8})"
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "kind": {"enum": ["cat", "dog", "owl"]},
+        "age": {"type": "integer", "minimum": 0, "maximum": 99},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 3},
+        "owner": {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
+                                                   "vip": {"type": "boolean"}},
+                  "required": ["id", "vip"], "additionalProperties": False},
+    },
+    "required": ["name", "kind", "owner"],
+    "additionalProperties": False,
+}
+SAMPLES = 100
+
+
+@pytest.fixture(scope="module", params=["plain", "page16-chunked-retract"])
+def server(request, llama_model):
+    args = ["--max-total-tokens", "65536", "--max-running-requests", "64"]
+    env = None
+    if request.param != "plain":
+        args += ["--page-size", "16", "--chunked-prefill-size", "16"]
+        env = {"SRT_TEST_RETRACT_INTERVAL": "4"}
+    with running_server(llama_model, *args, env=env) as handle:
+        yield handle
+
+
+def _generate(server, constraint, n_prompts=SAMPLES, n=1, max_new=96):
+    params = {"temperature": 1.0, "max_new_tokens": max_new, "n": n, **constraint}
+    prompts = [f"Sample {i}: the answer is" for i in range(n_prompts)]
+    resp = server.post("/generate", json={"text": prompts, "sampling_params": params}, timeout=600)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+@pytest.mark.parametrize("pattern", [IPV4, INTEGER], ids=["ipv4", "integer"])
+def test_regex_outputs_all_fullmatch(server, pattern):
+    outs = _generate(server, {"regex": pattern})
+    assert len(outs) == SAMPLES
+    bad = [o["text"] for o in outs if not re.fullmatch(pattern, o["text"])]
+    assert not bad, f"{len(bad)} outputs do not match: {bad[:3]}"
+    assert all(o["meta_info"]["finish_reason"]["type"] == "stop" for o in outs)
+    assert len({o["text"] for o in outs}) > 10, "temperature 1.0 should give varied outputs"
+
+
+def test_json_schema_outputs_all_validate(server):
+    outs = _generate(server, {"json_schema": json.dumps(SCHEMA)}, max_new=160)
+    for o in outs:
+        jsonschema.validate(json.loads(o["text"]), SCHEMA)
+    assert len({o["text"] for o in outs}) > 10
+
+
+def test_n4_children_each_follow_the_grammar(server):
+    outs = _generate(server, {"regex": IPV4}, n_prompts=5, n=4)
+    assert len(outs) == 20
+    assert all(re.fullmatch(IPV4, o["text"]) for o in outs), [o["text"] for o in outs]
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("regex", "(unclosed", "unclosed group"),
+    ("json_schema", "{not json", "not valid JSON"),
+    ("ebnf", "root ::= (", ""),
+])
+def test_a_grammar_that_does_not_compile_is_400_naming_the_field(server, field, value, needle):
+    resp = server.post("/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 4, field: value}})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == f"sampling_params.{field}"
+    assert error["message"].startswith(f"sampling_params.{field} does not compile: ") and needle in error["message"]
+    ok = server.post("/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 2}})
+    assert ok.status_code == 200
+
+
+def test_the_stress_configuration_really_retracted(server, request):
+    counters = server.get("/get_server_info").json()["load"]["counters"]
+    if "retract" in request.node.callspec.id:
+        assert counters["num_retractions"] > 0
+    else:
+        assert counters["num_retractions"] == 0

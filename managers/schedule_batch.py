@@ -14,6 +14,7 @@ import torch
 
 from managers.req import Req
 from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from srt.constrained.base_grammar_backend import fill_vocab_masks
 from srt.sampling.sampling_batch_info import SamplingBatchInfo
 from kernels.device_utils import host_to_device
 
@@ -167,8 +168,9 @@ class ScheduleBatch:
             info.vocab_mask = None
             return info
         mask = torch.zeros((len(self.reqs), info.vocab_size), dtype=torch.bool, device="cpu")
-        for i in rows:
-            self.reqs[i].grammar.fill_vocab_mask(mask[i])
+        sub = torch.zeros((len(rows), info.vocab_size), dtype=torch.bool, device="cpu")
+        fill_vocab_masks([self.reqs[i].grammar for i in rows], sub)
+        mask[torch.tensor(rows, dtype=torch.int64, device="cpu")] = sub
         info.vocab_mask = mask.pin_memory().to(self.device, non_blocking=True) if self.device != "cpu" and \
             str(self.device).startswith("cuda") else mask
         return info

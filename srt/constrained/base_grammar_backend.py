@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -46,6 +46,30 @@ class BaseGrammarObject:
 
     def copy(self) -> "BaseGrammarObject":
         raise NotImplementedError
+
+
+def fill_vocab_masks(grammars: List[BaseGrammarObject], mask: torch.Tensor) -> None:
+    """Rows of `mask` [len(grammars), vocab] (bool, CPU): True where each matcher forbids the token.
+    Matchers that expose their packed bitmask (`bitmask_bytes`) are unpacked together in one op."""
+    packed = [g.bitmask_bytes() if hasattr(g, "bitmask_bytes") else None for g in grammars]
+    batched = [i for i, b in enumerate(packed) if b is not None]
+    for i, g in enumerate(grammars):
+        if packed[i] is None:
+            g.fill_vocab_mask(mask[i])
+    if not batched:
+        return
+    words = torch.frombuffer(bytearray(b"".join(packed[i] for i in batched)), dtype=torch.int32)
+    words = words.view(len(batched), -1)
+    allowed = ((words[:, :, None] >> _BITS) & 1).view(len(batched), -1)
+    vocab = mask.shape[1]
+    width = min(vocab, allowed.shape[1])
+    rows = torch.tensor(batched, dtype=torch.int64, device="cpu")
+    mask[rows, :width] = allowed[:, :width] == 0
+    if width < vocab:
+        mask[rows, width:] = True
+
+
+_BITS = torch.arange(32, dtype=torch.int32, device="cpu")
 
 
 class BaseGrammarBackend:

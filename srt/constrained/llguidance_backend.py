@@ -18,6 +18,10 @@ class GuidanceGrammar(BaseGrammarObject):
         self.matcher = matcher
         self.vocab_size = vocab_size
 
+    def bitmask_bytes(self) -> bytes:
+        """The allowed tokens packed 32 per int32 word (bit set = allowed), as llguidance gives them."""
+        return self.matcher.compute_bitmask()
+
     def fill_vocab_mask(self, mask_row: torch.Tensor) -> None:
         words = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.int32)
         allowed = ((words[:, None] >> _BITS) & 1).view(-1)[: mask_row.numel()]

@@ -94,3 +94,44 @@ def test_the_stress_configuration_really_retracted(server, request):
         assert counters["num_retractions"] > 0
     else:
         assert counters["num_retractions"] == 0
+
+
+def _client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+
+
+def test_openai_completions_regex_and_chat_response_format(server):
+    client = _client(server)
+    comp = client.completions.create(model="m", prompt=[f"Address {i}:" for i in range(SAMPLES)], max_tokens=32,
+                                     temperature=1.0, extra_body={"regex": IPV4})
+    assert len(comp.choices) == SAMPLES and all(re.fullmatch(IPV4, c.text) for c in comp.choices)
+    chat = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Describe a pet as JSON."}], max_tokens=160,
+        temperature=1.0, n=SAMPLES,
+        response_format={"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA}})
+    assert len(chat.choices) == SAMPLES
+    for choice in chat.choices:
+        jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+        assert choice.finish_reason == "stop"
+    anything = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "JSON please."}], max_tokens=64, temperature=1.0, n=8,
+        response_format={"type": "json_object"})
+    for choice in anything.choices:
+        if choice.finish_reason == "stop":  # a free-form object may outgrow max_tokens
+            assert isinstance(json.loads(choice.message.content), dict)
+
+
+def test_openai_bad_response_format_is_400_naming_it(server):
+    import openai
+
+    client = _client(server)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                       response_format={"type": "json_schema", "json_schema": {"name": "x"}})
+    assert err.value.body["param"] == "response_format"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="m", prompt="x", max_tokens=4,
+                                  extra_body={"regex": "a", "response_format": {"type": "json_object"}})
+    assert "mutually exclusive" in err.value.body["message"]

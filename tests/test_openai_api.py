@@ -241,9 +241,9 @@ def test_any_model_name_is_served_under_the_served_name(client: openai.OpenAI) -
 # ---------------------------------------------------------------------- errors
 @pytest.mark.parametrize("extra, field", [
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "structural_tag"}}, "response_format"),
     ({"tool_choice": "required"}, "tool_choice"),
-    ({"regex": "[a-z]+"}, "regex"),
+    ({"regex": "[a-z"}, "sampling_params.regex"),
     ({"lora_path": "adapter-a"}, "lora_path"),
     ({"not_a_field": 1}, "not_a_field"),
 ])

@@ -10,7 +10,6 @@ from managers.generate_input import Inert
 from srt.sampling.sampling_params import IMPLEMENTED, DefaultOnly
 
 _NULL, _FALSE, _TRUE = DefaultOnly(), DefaultOnly(False), DefaultOnly(True)
-_STRUCTURED = DefaultOnly(feature="structured output")
 _TOOLS = "tool calling"
 _CALLER_ID = Inert((str,), "a caller-side id; SGLang passes it through without changing the output")
 _NO_REASONING_PARSER = Inert((bool,), "without a reasoning parser the output is the same either way")
@@ -31,8 +30,7 @@ _COMMON: Dict[str, Any] = {
     # request identity and the prefix cache
     "rid": IMPLEMENTED, "extra_key": IMPLEMENTED, "cache_salt": IMPLEMENTED, "session_id": _CALLER_ID,
     # structured output
-    "regex": _STRUCTURED, "ebnf": _STRUCTURED,
-    "response_format": DefaultOnly(None, ({"type": "text"},), feature="structured output"),
+    "regex": IMPLEMENTED, "ebnf": IMPLEMENTED, "response_format": IMPLEMENTED,
     # outputs beyond text and logprobs
     "return_hidden_states": _FALSE, "return_routed_experts": _FALSE, "routed_experts_start_len": DefaultOnly(0),
     "return_cached_tokens_details": _FALSE, "return_spec_tokens_details": _FALSE, "return_token_ids": _FALSE,
@@ -47,7 +45,7 @@ _COMMON: Dict[str, Any] = {
 COMPLETION_FIELDS: Dict[str, Any] = {
     **_COMMON,
     "prompt": IMPLEMENTED, "echo": IMPLEMENTED, "logprobs": IMPLEMENTED,
-    "best_of": DefaultOnly(None, (1,)), "suffix": DefaultOnly(None, ("",)), "json_schema": _STRUCTURED,
+    "best_of": DefaultOnly(None, (1,)), "suffix": DefaultOnly(None, ("",)), "json_schema": IMPLEMENTED,
     "custom_labels": Inert((dict,), "metric labels of the caller; this server's metrics have none"),
 }
 

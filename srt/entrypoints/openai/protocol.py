@@ -5,6 +5,8 @@ its default only), types and ranges, and the mapping of OpenAI sampling fields o
 
 from __future__ import annotations
 
+import json
+
 import math
 from typing import Any, Dict, List, Mapping, Optional, Union
 
@@ -180,7 +182,51 @@ def sampling_params(body: Mapping[str, Any], max_tokens: Optional[int]) -> Dict[
     bias = _logit_bias(body.get("logit_bias"))
     if bias:
         params["logit_bias"] = bias
+    params.update(grammar_params(body))
     return params
+
+
+def grammar_params(body: Mapping[str, Any]) -> Dict[str, str]:
+    """The constraint of an OpenAI request as sampling params: SGLang's `regex` / `ebnf` /
+    `json_schema` fields, or OpenAI's `response_format` (`json_object`: any JSON object;
+    `json_schema`: its `json_schema.schema`). At most one; each compiled by the front end."""
+    out: Dict[str, str] = {}
+    given = [name for name in ("regex", "ebnf", "json_schema") if body.get(name) is not None]
+    if body.get("response_format") not in (None, {"type": "text"}):
+        given.append("response_format")
+    if len(given) > 1:
+        raise invalid(f"regex, ebnf, json_schema and response_format are mutually exclusive, got "
+                      f"{' and '.join(given)}.", given[1])
+    for name in ("regex", "ebnf", "json_schema"):
+        value = body.get(name)
+        if value is None:
+            continue
+        if isinstance(value, dict) and name == "json_schema":
+            value = json.dumps(value)
+        if not isinstance(value, str):
+            raise invalid(f"{name} must be a string, got {type(value).__name__}.", name)
+        out[name] = value
+    fmt = body.get("response_format")
+    if fmt is not None:
+        if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+            raise invalid(f"response_format must be an object with a type, got {fmt!r}.", "response_format")
+        kind = fmt["type"]
+        if kind == "json_object":
+            out["json_schema"] = json.dumps({"type": "object"})
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, (dict, bool)):
+                raise invalid("response_format.json_schema.schema must be a JSON schema object, got "
+                              f"{schema!r}.", "response_format")
+            out["json_schema"] = json.dumps(schema)
+        elif kind == "structural_tag":
+            raise invalid("response_format type 'structural_tag' is not supported by this server yet; use "
+                          "'json_schema', 'json_object' or 'text'.", "response_format")
+        elif kind != "text":
+            raise invalid(f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}.",
+                          "response_format")
+    return out
 
 
 def _stop(value: Any, name: str) -> Optional[list]:

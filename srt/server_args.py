@@ -123,6 +123,9 @@ class ServerArgs:
     allow_auto_truncate: bool = _opt(False, "Truncate over-long inputs instead of refusing them.")
     grammar_backend: str = _opt("llguidance", "Library that compiles regex / json_schema / ebnf constraints.",
                                 ("llguidance",))
+    tool_call_parser: Optional[str] = _opt(
+        None, "How tool calls are found in model text with tool_choice auto: hermes / qwen25 (<tool_call>{json}"
+        "</tool_call>) or llama3 (a JSON object); default hermes.", ("hermes", "qwen25", "llama3"))
     # Front end.
     chat_template: Optional[str] = _opt(None, "Chat template: a Jinja file, or a built-in name (chatml).")
     served_model_name: Optional[str] = _opt(None, "Model name reported by the API (default: the model path).")

@@ -127,8 +127,8 @@ CHAT_NON_DEFAULT: Dict[str, Any] = {
     "task": "query", "max_dynamic_patch": 4, "min_dynamic_patch": 1, "use_audio_in_video": True,
     "video_config": {"fps": 1},
 }
-STRUCTURED_OR_TOOLS = {"/v1/chat/completions": {"tool_choice": "required",  # structured output is implemented
-                                                "tools": [{"type": "function", "function": {"name": "f"}}]}}
+# Structured output and tools are implemented; OpenAI's legacy function-calling fields are not.
+STRUCTURED_OR_TOOLS = {"/v1/chat/completions": {"functions": [{"name": "f"}], "function_call": "auto"}}
 
 
 # ---------------------------------------------------------------------- server

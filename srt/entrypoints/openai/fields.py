@@ -56,8 +56,7 @@ CHAT_FIELDS: Dict[str, Any] = {
     "input_ids": IMPLEMENTED,  # the prompt's token ids: the chat template is not applied
     "separate_reasoning": _NO_REASONING_PARSER, "stream_reasoning": _NO_REASONING_PARSER,
     # tool calling (SGLang's tool_choice default is "auto", which means "none" without tools)
-    "tools": DefaultOnly(None, ([],), feature=_TOOLS), "tool_choice": DefaultOnly("auto", ("none",), feature=_TOOLS),
-    "parallel_tool_calls": Inert((bool,), "no tool is ever called, so no calls run in parallel"),
+    "tools": IMPLEMENTED, "tool_choice": IMPLEMENTED, "parallel_tool_calls": IMPLEMENTED,
     # reasoning controls
     "reasoning_effort": _NULL, "reasoning": _NULL, "thinking": _NULL, "task": _NULL,
     # outputs beyond text and logprobs

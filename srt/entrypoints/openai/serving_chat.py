@@ -18,6 +18,7 @@ from srt.entrypoints.openai.common import (
     serve_plan,
 )
 from srt.entrypoints.openai.fields import CHAT_FIELDS
+from srt.entrypoints.openai.tool_calls import ToolCallParser, ToolPlan, parse_tool_plan
 from srt.entrypoints.openai.protocol import (
     MAX_LOGPROBS,
     check_fields,
@@ -99,7 +100,10 @@ class ChatRequest:
     include_usage: bool
     logprobs: bool
     top_logprobs: int
+    tool_plan: Optional[ToolPlan] = None
+    tool_parser_name: str = "hermes"
     roles_sent: bool = False
+    parsers: Dict[int, ToolCallParser] = None  # streaming: one per choice
 
     @classmethod
     async def from_body(cls, body: Dict[str, Any], state: Any, prompt_tokenizer: PromptTokenizer) -> "ChatRequest":
@@ -117,6 +121,15 @@ class ChatRequest:
         kwargs = _template_kwargs(body)
         continue_final = get_bool(body, "continue_final_message")
         params = sampling_params(body, limit)  # validate sampling fields before tokenizing
+        plan = parse_tool_plan(body)
+        if plan is not None and plan.choice != "none":
+            kwargs = {**kwargs, "tools": plan.tools}
+            schema = plan.grammar_schema()
+            if schema is not None:
+                if any(k in params for k in ("regex", "ebnf", "json_schema")):
+                    raise invalid("tool_choice 'required' or a named function constrains the output itself; drop "
+                                  "response_format / regex / ebnf / json_schema.", "tool_choice")
+                params["json_schema"] = schema
         rid = client_rid(body, 1)
         tm = state.tokenizer_manager
         ids = _given_input_ids(body)
@@ -130,7 +143,12 @@ class ChatRequest:
             top_logprobs_num=top, return_text_in_logprobs=True, extra_key=body.get("extra_key"),
             cache_salt=body.get("cache_salt"), data_parallel_rank=body.get("data_parallel_rank"))
         view = GenerationView(response_id, state.model_name, params.get("n", 1))
-        return cls(obj, view, stream, include_usage, logprobs, top)
+        parser = getattr(state.server_args, "tool_call_parser", None) or "hermes"
+        return cls(obj, view, stream, include_usage, logprobs, top,
+                   plan if plan is not None and plan.choice != "none" else None, parser)
+
+    def _tool_parser(self) -> ToolCallParser:
+        return ToolCallParser(self.tool_plan, "hermes" if self.tool_parser_name == "qwen25" else self.tool_parser_name)
 
     def _envelope(self, obj_type: str, choices: List[Dict[str, Any]]) -> Dict[str, Any]:
         v = self.view
@@ -143,8 +161,15 @@ class ChatRequest:
         for index, out in outs:
             meta = out["meta_info"]
             logprobs = chat_logprobs(meta, 0, 1 << 62, self.top_logprobs) if self.logprobs else None
-            choices.append({"index": index, "message": {"role": "assistant", "content": out["text"]},
-                            "logprobs": logprobs, **finish_fields(meta)})
+            message: Dict[str, Any] = {"role": "assistant", "content": out["text"]}
+            finish = finish_fields(meta)
+            if self.tool_plan is not None:
+                content, calls = self._tool_parser().parse(out["text"])
+                if calls:
+                    message = {"role": "assistant", "content": content,
+                               "tool_calls": [{k: v for k, v in c.items() if k != "index"} for c in calls]}
+                    finish = {"finish_reason": "tool_calls", "matched_stop": None}
+            choices.append({"index": index, "message": message, "logprobs": logprobs, **finish})
         body = self._envelope("chat.completion", choices)
         body["usage"] = self.view.usage_from({index: out["meta_info"] for index, out in outs})
         return body
@@ -168,11 +193,28 @@ class ChatRequest:
             meta = out["meta_info"]
             logprobs = chat_logprobs(meta, start, end, self.top_logprobs) if self.logprobs and end > start else None
             finish = finish_fields(meta)
-            if not (new_text or logprobs or finish["finish_reason"]):
+            delta: Dict[str, Any] = {"content": new_text} if new_text else {}
+            if self.tool_plan is not None:
+                delta, finish = self._tool_delta(index, new_text, finish)
+            if not (delta or logprobs or finish["finish_reason"]):
                 continue
-            delta = {"content": new_text} if new_text else {}
             chunks.append(self._chunk({"index": index, "delta": delta, "logprobs": logprobs, **finish}))
         return chunks
+
+    def _tool_delta(self, index: int, new_text: str, finish: Dict[str, Any]):
+        """Text that cannot belong to a call streams as content; each completed call is sent once."""
+        if self.parsers is None:
+            self.parsers = {}
+        parser = self.parsers.setdefault(index, self._tool_parser())
+        text, calls = parser.feed(new_text, final=finish["finish_reason"] is not None)
+        delta: Dict[str, Any] = {}
+        if text:
+            delta["content"] = text
+        if calls:
+            delta["tool_calls"] = calls
+        if finish["finish_reason"] is not None and parser.emitted:
+            finish = {"finish_reason": "tool_calls", "matched_stop": None}
+        return delta, finish
 
     def closing_chunks(self) -> List[Dict[str, Any]]:
         if not self.include_usage:

@@ -32,5 +32,9 @@ stamp=".venv/.installed-$(cat pyproject.toml | sha1sum | cut -c1-12)-$EXTRAS"
 if [ ! -f "$stamp" ]; then
   echo "[setup] installing the project (.[${EXTRAS}])"
   $PIP install -q -e ".[${EXTRAS}]"
+  if [[ ",$EXTRAS," == *",test,"* ]]; then
+    # SGLang's frontend language only (its server dependencies are not wanted here).
+    $PIP install -q --no-deps "sglang==0.4.10.post2"
+  fi
   touch "$stamp"
 fi

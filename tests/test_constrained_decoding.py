@@ -135,3 +135,54 @@ def test_openai_bad_response_format_is_400_naming_it(server):
         client.completions.create(model="m", prompt="x", max_tokens=4,
                                   extra_body={"regex": "a", "response_format": {"type": "json_object"}})
     assert "mutually exclusive" in err.value.body["message"]
+
+
+TAG = {"structures": [{"begin": "<function=get_time>", "schema": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}, "end": "</function>"}], "triggers": ["<function="]}
+
+
+def test_structural_tag_constrains_each_triggered_segment(llama_model):
+    """Free text until the trigger, then `begin`, JSON of the schema, `end` (checked on the matcher
+    directly: a random model rarely writes the trigger by itself)."""
+    import torch
+
+    from srt.constrained.base_grammar_backend import create_grammar_backend
+    from srt.utils.hf_transformers_utils import get_tokenizer
+
+    tokenizer = get_tokenizer(str(llama_model))
+    vocab = json.loads((llama_model / "config.json").read_text())["vocab_size"]
+    backend = create_grammar_backend("llguidance", tokenizer, vocab)
+    template = backend.compile_now(("structural_tag", json.dumps(TAG)))
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(10):
+        grammar = template.copy()
+        out = tokenizer.encode("It is time: <function=get_time>", add_special_tokens=False)
+        for tok in out:
+            assert grammar.accept_token(tok)
+        mask = torch.zeros(vocab, dtype=torch.bool)
+        for _ in range(80):
+            grammar.fill_vocab_mask(mask)
+            allowed = (~mask).nonzero().flatten()
+            tok = int(allowed[torch.randint(len(allowed), (1,), generator=gen)])
+            assert grammar.accept_token(tok)
+            out.append(tok)
+            if "</function>" in tokenizer.decode(out):
+                break
+        text = tokenizer.decode(out)
+        body = text.split("<function=get_time>", 1)[1].split("</function>", 1)[0]
+        jsonschema.validate(json.loads(body), TAG["structures"][0]["schema"])
+
+
+def test_structural_tag_is_accepted_by_both_apis_and_checked(server):
+    ok = server.post("/generate", json={"text": "Hi", "sampling_params": {
+        "max_new_tokens": 8, "temperature": 1.0, "structural_tag": json.dumps(TAG)}})
+    assert ok.status_code == 200, ok.text
+    chat = server.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                                      "max_tokens": 8, "response_format": {"type": "structural_tag",
+                                                                                           **TAG}})
+    assert chat.status_code == 200, chat.text
+    bad = server.post("/generate", json={"text": "Hi", "sampling_params": {"structural_tag": json.dumps(
+        {"structures": [{"begin": "<x>", "schema": {}, "end": "</x>"}], "triggers": ["<y"]})}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "sampling_params.structural_tag"
+    assert "starts with no trigger" in bad.json()["error"]["message"]

@@ -241,7 +241,7 @@ def test_any_model_name_is_served_under_the_served_name(client: openai.OpenAI) -
 # ---------------------------------------------------------------------- errors
 @pytest.mark.parametrize("extra, field", [
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools[0].function.parameters"),
-    ({"response_format": {"type": "structural_tag"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"regex": "[a-z"}, "sampling_params.regex"),
     ({"lora_path": "adapter-a"}, "lora_path"),

@@ -416,7 +416,7 @@ def test_stop_token_id_outside_vocab_is_refused():
 
 
 def test_at_most_one_grammar_is_allowed():
-    with pytest.raises(ValueError, match="regex, json_schema and ebnf.*got regex and json_schema"):
+    with pytest.raises(ValueError, match="regex, json_schema, ebnf and structural_tag.*got regex and json_schema"):
         SamplingParams(regex="a+", json_schema="{}").verify()
 
 

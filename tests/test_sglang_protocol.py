@@ -109,7 +109,6 @@ GENERATE_NON_DEFAULT: Dict[str, Any] = {
 }
 SAMPLING_NON_DEFAULT: Dict[str, Any] = {"beam_width": 4, "stream_interval": 8, "custom_params": {"bias": 1},
                                         "watermark": {"enabled": True}}
-SAMPLING_STRUCTURED: Dict[str, Any] = {"structural_tag": "{}"}  # regex / json_schema / ebnf are implemented
 OPENAI_NON_DEFAULT: Dict[str, Any] = {  # both endpoints
     "return_hidden_states": True, "return_routed_experts": True, "routed_experts_start_len": 1,
     "return_cached_tokens_details": True, "return_spec_tokens_details": True, "return_token_ids": True,
@@ -238,14 +237,6 @@ def test_sampling_param_taken_at_default_only_is_400_naming_it(server, field):
     error = refusal(server.post("/generate", json=body))
     assert error["message"].startswith(f"'{field}' is not supported by this server (got ")
     assert error["message"].endswith("leave it at its default null.")
-
-
-@pytest.mark.parametrize("field", sorted(SAMPLING_STRUCTURED))
-def test_structured_output_sampling_params_keep_their_not_yet_message(server, field):
-    body = {"text": "Hello", "sampling_params": {"max_new_tokens": 2, field: SAMPLING_STRUCTURED[field]}}
-    error = refusal(server.post("/generate", json=body))
-    assert error["message"] == (f"sampling_params.{field} is not supported by this server yet (structured output "
-                                f"is not implemented); remove it.")
 
 
 @pytest.mark.parametrize("endpoint,field", [("/v1/completions", f) for f in sorted(COMPLETION_NON_DEFAULT)]

@@ -17,7 +17,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 GrammarKey = Tuple[str, str]
-GRAMMAR_FIELDS = {"regex": "regex", "json": "json_schema", "ebnf": "ebnf"}
+GRAMMAR_FIELDS = {"regex": "regex", "json": "json_schema", "ebnf": "ebnf", "structural_tag": "structural_tag"}
 
 
 class GrammarError(ValueError):
@@ -113,6 +113,8 @@ def grammar_key(sampling_params) -> Optional[GrammarKey]:
         return ("json", sampling_params.json_schema)
     if sampling_params.ebnf is not None:
         return ("ebnf", sampling_params.ebnf)
+    if getattr(sampling_params, "structural_tag", None) is not None:
+        return ("structural_tag", sampling_params.structural_tag)
     return None
 
 

@@ -41,6 +41,29 @@ class GuidanceGrammar(BaseGrammarObject):
         return GuidanceGrammar(self.matcher.deep_copy(), self.vocab_size)
 
 
+def structural_tags(text: str):
+    """SGLang's structural tag, `{"structures": [{"begin", "schema", "end"}], "triggers": [...]}`:
+    free text, in which each segment that starts with a trigger is `begin`, JSON of its schema, `end`."""
+    try:
+        spec = json.loads(text)
+    except ValueError as exc:
+        raise GrammarError("structural_tag", f"not valid JSON: {exc}") from None
+    structures, triggers = spec.get("structures"), spec.get("triggers")
+    if not isinstance(structures, list) or not structures or not isinstance(triggers, list) or not triggers:
+        raise GrammarError("structural_tag", "needs non-empty lists 'structures' and 'triggers'")
+    out = []
+    for i, item in enumerate(structures):
+        if not isinstance(item, dict) or not all(isinstance(item.get(k), str) for k in ("begin", "end")):
+            raise GrammarError("structural_tag", f"structures[{i}] needs string 'begin' and 'end' and a 'schema'")
+        trigger = next((t for t in triggers if isinstance(t, str) and t and item["begin"].startswith(t)), None)
+        if trigger is None:
+            raise GrammarError("structural_tag", f"structures[{i}].begin {item['begin']!r} starts with no trigger")
+        schema = dict(item.get("schema") or {})
+        schema.setdefault("x-guidance", {"whitespace_flexible": False})  # compact JSON, as for json_schema
+        out.append((trigger, item["begin"], schema, item["end"]))
+    return out
+
+
 class GuidanceBackend(BaseGrammarBackend):
     def __init__(self, tokenizer, vocab_size: int):
         super().__init__()
@@ -50,6 +73,10 @@ class GuidanceBackend(BaseGrammarBackend):
         self._ll = llguidance
         self.vocab_size = vocab_size
         self.ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+
+    def _structural_tag_lark(self, text: str) -> str:
+        tags = [self._ll.StructTag(trigger=t, begin=b, grammar=g, end=e) for t, b, g, e in structural_tags(text)]
+        return self._ll.StructTag.to_grammar(tags, assume_special=False)
 
     def _compile(self, key: GrammarKey) -> GuidanceGrammar:
         kind, text = key
@@ -65,6 +92,8 @@ class GuidanceBackend(BaseGrammarBackend):
             # whitespace rule would let a weak model pad forever instead of closing the object.
             defaults = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
             grammar, field = matcher_cls.grammar_from_json_schema(schema, defaults=defaults), "json_schema"
+        elif kind == "structural_tag":
+            grammar, field = matcher_cls.grammar_from_lark(self._structural_tag_lark(text)), "structural_tag"
         else:
             grammar, field = matcher_cls.grammar_from_lark(self._ll.gbnf_to_lark(text)), "ebnf"
         is_error, messages = matcher_cls.validate_grammar_with_warnings(grammar, self.ll_tokenizer)

@@ -234,9 +234,9 @@ class SamplingParams:
                 _fail(f"logit_bias values must be finite numbers, got {bias!r} for token {key!r}.")
 
     def _verify_grammar(self) -> None:
-        given = [name for name in ("regex", "json_schema", "ebnf") if getattr(self, name) is not None]
+        given = [name for name in ("regex", "json_schema", "ebnf", "structural_tag") if getattr(self, name) is not None]
         if len(given) > 1:
-            _fail(f"regex, json_schema and ebnf are mutually exclusive (set at most one), "
+            _fail(f"regex, json_schema, ebnf and structural_tag are mutually exclusive (set at most one), "
                   f"got {' and '.join(given)}.")
         for name in given:
             if not isinstance(getattr(self, name), str):
@@ -272,7 +272,6 @@ class SamplingParams:
         return len(tokenizer.encode(stop, add_special_tokens=False))
 
 
-_STRUCTURED = DefaultOnly(feature="structured output")
 
 # Every API field of SGLang's SamplingParams and how this server takes it. SGLang's internal fields
 # (stop_strs, stop_regex_strs, stop_str_max_len, stop_regex_max_len, is_normalized,
@@ -284,7 +283,7 @@ SAMPLING_FIELDS: Dict[str, Any] = {
     "frequency_penalty": IMPLEMENTED, "presence_penalty": IMPLEMENTED, "repetition_penalty": IMPLEMENTED,
     "ignore_eos": IMPLEMENTED, "skip_special_tokens": IMPLEMENTED, "spaces_between_special_tokens": IMPLEMENTED,
     "no_stop_trim": IMPLEMENTED, "logit_bias": IMPLEMENTED, "sampling_seed": IMPLEMENTED,
-    "regex": IMPLEMENTED, "json_schema": IMPLEMENTED, "ebnf": IMPLEMENTED, "structural_tag": _STRUCTURED,
+    "regex": IMPLEMENTED, "json_schema": IMPLEMENTED, "ebnf": IMPLEMENTED, "structural_tag": IMPLEMENTED,
     "beam_width": DefaultOnly(None, (1,)),  # one beam is plain decoding; beam search is not implemented
     "stream_interval": DefaultOnly(),        # per request; the server's --stream-interval applies to all
     "custom_params": DefaultOnly(),          # input of a custom logit processor, which is not implemented

@@ -220,12 +220,11 @@ def grammar_params(body: Mapping[str, Any]) -> Dict[str, str]:
                 raise invalid("response_format.json_schema.schema must be a JSON schema object, got "
                               f"{schema!r}.", "response_format")
             out["json_schema"] = json.dumps(schema)
-        elif kind == "structural_tag":
-            raise invalid("response_format type 'structural_tag' is not supported by this server yet; use "
-                          "'json_schema', 'json_object' or 'text'.", "response_format")
+        elif kind == "structural_tag":  # SGLang's: {type, structures: [{begin, schema, end}], triggers}
+            out["structural_tag"] = json.dumps({"structures": fmt.get("structures"), "triggers": fmt.get("triggers")})
         elif kind != "text":
-            raise invalid(f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}.",
-                          "response_format")
+            raise invalid(f"response_format type must be 'text', 'json_object', 'json_schema' or 'structural_tag', "
+                          f"got {kind!r}.", "response_format")
     return out
 
 

@@ -57,13 +57,26 @@ def test_named_function_is_the_one_called_streaming_and_not(client):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
 
 
-def test_auto_on_a_random_model_answers_text_or_a_parsed_call(client):
-    out = client.chat.completions.create(model="m", messages=MESSAGES, tools=TOOLS, max_tokens=16, temperature=0)
-    choice = out.choices[0]
-    if choice.message.tool_calls:
-        _check_call(choice.message.tool_calls[0])
-    else:
-        assert isinstance(choice.message.content, str) and choice.finish_reason in ("stop", "length")
+def test_auto_on_the_demo_model_answers_text_or_a_parsed_call():
+    """The embedded demo model (no --model-path): with tools and `auto` it answers in text (a
+    model that never learned tools); the same reply parsed with a call appended gives the call."""
+    from srt.server_args import DEMO_MODEL_DIR
+
+    with running_server(DEMO_MODEL_DIR, "--max-total-tokens", "4096") as handle:
+        demo = openai.OpenAI(base_url=handle.url + "/v1", api_key="unused")
+        for stream in (False, True):
+            kw = dict(model="m", messages=MESSAGES, tools=TOOLS, max_tokens=24, temperature=0)
+            if stream:
+                chunks = list(demo.chat.completions.create(stream=True, **kw))
+                text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+                calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+            else:
+                out = demo.chat.completions.create(**kw)
+                text, calls = out.choices[0].message.content or "", out.choices[0].message.tool_calls or []
+            assert calls == [] and text.strip()
+    content, calls = ToolCallParser(_plan()).parse(
+        text + '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>')
+    assert content == text.strip() and calls[0]["function"]["name"] == "get_time"
 
 
 @pytest.mark.parametrize("extra,param", [

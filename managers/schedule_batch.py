@@ -16,7 +16,7 @@ from managers.req import Req
 from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from srt.constrained.base_grammar_backend import fill_vocab_masks
 from srt.sampling.sampling_batch_info import SamplingBatchInfo
-from kernels.device_utils import host_to_device
+from kernels.device_utils import host_to_device, is_cuda
 
 logger = logging.getLogger(__name__)
 
@@ -167,12 +167,11 @@ class ScheduleBatch:
         if not rows:
             info.vocab_mask = None
             return info
-        mask = torch.zeros((len(self.reqs), info.vocab_size), dtype=torch.bool, device="cpu")
         sub = torch.zeros((len(rows), info.vocab_size), dtype=torch.bool, device="cpu")
         fill_vocab_masks([self.reqs[i].grammar for i in rows], sub)
+        mask = torch.zeros((len(self.reqs), info.vocab_size), dtype=torch.bool, device="cpu")
         mask[torch.tensor(rows, dtype=torch.int64, device="cpu")] = sub
-        info.vocab_mask = mask.pin_memory().to(self.device, non_blocking=True) if self.device != "cpu" and \
-            str(self.device).startswith("cuda") else mask
+        info.vocab_mask = mask.pin_memory().to(self.device, non_blocking=True) if is_cuda(self.device) else mask
         return info
 
     def _sampling_info(self) -> SamplingBatchInfo:

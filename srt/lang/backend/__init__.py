@@ -1,0 +1,1 @@
+"""Where a frontend program's requests go: a server over HTTP, or an in-process `Engine`."""

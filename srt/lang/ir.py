@@ -113,6 +113,7 @@ def _as_expr(value) -> SglExpr:
 
 class SglExprList(SglExpr):
     def __init__(self, exprs: List[SglExpr]):
+        exprs = [_as_expr(x) for x in exprs]
         self.exprs = [e for x in exprs for e in (x.exprs if isinstance(x, SglExprList) else [x])]
 
 

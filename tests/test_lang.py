@@ -258,3 +258,30 @@ def test_errors_are_reported_per_program_and_carry_the_server_status(backend):
     # the runtime is unharmed and holds no KV for any of this
     load = wait_idle(Raw(backend))
     assert load["token_usage"] == 0.0
+
+
+@sgl.function
+def scope_prog(s, name, greeting):
+    with s.var_scope("intro"):
+        s += f"{greeting}, {name}. "
+    copy = s.copy()
+    copy += "In the copy." + sgl.gen("c", max_tokens=3, temperature=0)
+    s += "In the original."
+    s["copy_text"] = copy.text()
+
+
+def test_bind_var_scope_copy_and_default_backend(backend):
+    bound = scope_prog.bind(greeting="Hello")
+    with pytest.raises(TypeError, match="unknown argument"):
+        scope_prog.bind(colour="red")
+    sgl.set_default_backend(backend)
+    try:
+        state = bound.run(name="Ada")
+    finally:
+        sgl.set_default_backend(None)
+    with pytest.raises(ValueError, match="No backend"):
+        bound.run(name="Ada")
+    assert state["intro"] == "Hello, Ada. "
+    assert state.text() == "Hello, Ada. In the original."
+    assert state["copy_text"].startswith("Hello, Ada. In the copy.")
+    assert "c" not in state  # a copy's variables stay in the copy

@@ -17,8 +17,9 @@ _default_backend: Optional[BaseBackend] = None
 
 
 def set_default_backend(backend) -> None:
+    """The backend programs use when `run` gets none (None clears it)."""
     global _default_backend
-    _default_backend = resolve_backend(backend)
+    _default_backend = resolve_backend(backend) if backend is not None else None
 
 
 def get_default_backend() -> Optional[BaseBackend]:

@@ -209,14 +209,15 @@ def test_roles_render_through_the_chat_template(backend):
 
 
 IPV4 = r"((25[0-5]|2[0-4][0-9]|1?[0-9]?[0-9])\.){3}(25[0-5]|2[0-4][0-9]|1?[0-9]?[0-9])"
-SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999},
+                                           "ok": {"type": "boolean"}},
           "required": ["n", "ok"], "additionalProperties": False}
 
 
 @sgl.function
 def constrained_prog(s):
     s += "Server address: " + sgl.gen("ip", regex=IPV4, max_tokens=24, temperature=1.0)
-    s += "\nRecord: " + sgl.gen("rec", json_schema=SCHEMA, max_tokens=32, temperature=1.0)
+    s += "\nRecord: " + sgl.gen("rec", json_schema=SCHEMA, max_tokens=64, temperature=1.0)
     s += "\nCount: " + sgl.gen_int("count", max_tokens=6, temperature=1.0)
 
 
@@ -268,6 +269,8 @@ def scope_prog(s, name, greeting):
     copy += "In the copy." + sgl.gen("c", max_tokens=3, temperature=0)
     s += "In the original."
     s["copy_text"] = copy.text()
+    with s.copy() as scoped:  # SGLang's form: the copy's new variables come back on exit
+        scoped += " Scoped:" + sgl.gen("d", max_tokens=3, temperature=0)
 
 
 def test_bind_var_scope_copy_and_default_backend(backend):
@@ -284,4 +287,5 @@ def test_bind_var_scope_copy_and_default_backend(backend):
     assert state["intro"] == "Hello, Ada. "
     assert state.text() == "Hello, Ada. In the original."
     assert state["copy_text"].startswith("Hello, Ada. In the copy.")
-    assert "c" not in state  # a copy's variables stay in the copy
+    assert "c" not in state  # a plain copy's variables stay in the copy
+    assert isinstance(state["d"], list) and len(state["d"]) == 1

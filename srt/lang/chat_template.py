@@ -13,20 +13,18 @@ from __future__ import annotations
 import threading
 from typing import Any, Dict, List, Optional, Tuple
 
-from managers.template_manager import TemplateManager
-
 _SENTINEL = "\u2063sgl-content\u2063"
 
 
 class RoleTemplate:
-    def __init__(self, manager: TemplateManager):
+    def __init__(self, manager: Any):  # a managers.template_manager.TemplateManager
         self.manager = manager
         self.source = manager.source
         self._cache: Dict[Tuple[Tuple[str, ...], str], Tuple[str, str]] = {}
         self._lock = threading.Lock()
         bos = getattr(manager.tokenizer, "bos_token", None)
         self._bos = bos if isinstance(bos, str) and bos else None
-        self.stop_str: List[str] = []  # the end of an assistant turn: a stop for every gen, as SGLang's
+        self.stop_str: List[str] = []  # the end of an assistant turn: a stop for gens inside one
         for history in ((), ("user",)):
             try:
                 end = self.affixes(history, "assistant")[1].strip()
@@ -62,5 +60,6 @@ class RoleTemplate:
 
 def load_role_template(tokenizer: Any, chat_template: Optional[str], model_path: Optional[str]) -> Optional[RoleTemplate]:
     """The role template for a tokenizer, `--chat-template`-style override, or None without one."""
+    from managers.template_manager import TemplateManager  # imported late: it pulls in torch
     manager = TemplateManager.load(tokenizer, chat_template, model_path)
     return RoleTemplate(manager) if manager.chat_template is not None else None

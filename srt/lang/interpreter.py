@@ -26,7 +26,6 @@ class StreamExecutor:
         self.arguments = arguments
         self.defaults = defaults
         self.stream = stream
-        self.chat_template = backend.get_chat_template()
         self.text_ = ""
         self.messages_: List[Dict[str, str]] = []
         self.variables: Dict[str, Any] = {}
@@ -176,7 +175,9 @@ class StreamExecutor:
 
     def _gen(self, expr: SglGen) -> None:
         params = expr.sampling_params.merged_over(self.defaults)
-        body = params.to_request(self.chat_template.stop_str if self.chat_template else [])
+        # Inside an assistant turn the end of the turn stops the gen too (the chat template's marker).
+        in_turn = self.cur_role == "assistant"
+        body = params.to_request(self._template().stop_str if in_turn else [])
         if not self.stream:
             text, meta = self.backend.generate(self.text_, body)
             self._fill(text[0] if isinstance(text, list) else text)
@@ -192,11 +193,12 @@ class StreamExecutor:
         self._set(expr.name, "".join(pieces), meta)
 
     def _template(self):
-        if self.chat_template is None:
+        template = self.backend.get_chat_template()
+        if template is None:
             raise ValueError("This backend has no chat template, so roles (system/user/assistant) cannot be "
                              "rendered: start the server with --chat-template, or pass chat_template_name= "
                              "to RuntimeEndpoint.")
-        return self.chat_template
+        return template
 
     def _role_begin(self, role: str) -> None:
         if self.cur_role is not None:

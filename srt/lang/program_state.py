@@ -49,6 +49,9 @@ class ProgramState:
         self.stream_executor.submit(SglVarScopeEnd(name))
 
     def fork(self, size: int = 1) -> "ProgramStateGroup":
+        return self._fork(size, ProgramState)
+
+    def _fork(self, size: int, state_cls: type) -> "ProgramStateGroup":
         """`size` branches that start from the text so far. With more than one, the shared text is
         prefilled once first (a prefill-only request), so every branch finds it in the cache."""
         parent = self.stream_executor
@@ -64,11 +67,15 @@ class ProgramState:
         for _ in range(size):
             child = StreamExecutor(parent.backend, parent.arguments, parent.defaults, parent.stream, parent.use_thread)
             parent.clone_into(child)
-            children.append(ProgramState(child))
+            children.append(state_cls(child))
         return ProgramStateGroup(children, self)
 
     def copy(self) -> "ProgramState":
-        return self.fork(1)[0]
+        """A one-branch fork. As in SGLang, `with s.copy() as c:` joins c's new variables back into
+        `s` (as one-element lists) when the block ends; `c = s.copy()` works as a plain branch."""
+        group = self._fork(1, _CopiedState)
+        group[0]._group = group
+        return group[0]
 
     # --------------------------------------------------------------- reading
     def text(self) -> str:
@@ -142,6 +149,17 @@ class ProgramState:
             pass
 
 
+class _CopiedState(ProgramState):
+    _group: "ProgramStateGroup"
+
+    def __enter__(self) -> "ProgramState":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if exc[0] is None:
+            self._group.join()
+
+
 class ProgramStateGroup:
     def __init__(self, states: List[ProgramState], src_state: ProgramState):
         self.states = states
@@ -169,8 +187,9 @@ class ProgramStateGroup:
         return self
 
     def join(self, mode: str = "gather_variable") -> None:
-        """Wait for every branch. `gather_variable`: each variable a branch set becomes, in the parent, the
-        list of the branches' values. `concate_and_append`: the branches' new text is appended in order."""
+        """Wait for every branch. `gather_variable`: a variable the parent does not have becomes the list
+        of the values of the branches that set it (their meta infos likewise). `concate_and_append`: the
+        branches' new text is appended to the parent in order."""
         for state in self.states:
             state.sync()
         parent = self.src_state.stream_executor
@@ -179,15 +198,17 @@ class ProgramStateGroup:
             parent.error_ = failed[0]
             raise failed[0]
         if mode == "gather_variable":
-            names = []
+            existing = set(parent.variables)  # SGLang's rule: only variables the parent lacks come back
             for state in self.states:
                 exe = state.stream_executor
-                for name, value in exe.variables.items():
-                    if name not in names and (name not in parent.variables or parent.variables[name] is not value):
-                        names.append(name)
-            for name in names:
-                parent.set_var(name, [s.stream_executor.variables.get(name) for s in self.states])
-                parent.meta_info[name] = [s.stream_executor.meta_info.get(name) for s in self.states]
+                for name in [n for n in exe.variables if n not in existing]:
+                    values = parent.variables.get(name)
+                    if name in parent.variables and isinstance(values, list):
+                        values.append(exe.variables[name])
+                        parent.meta_info[name].append(exe.meta_info.get(name))
+                    else:
+                        parent.set_var(name, [exe.variables[name]])
+                        parent.meta_info[name] = [exe.meta_info.get(name)]
         elif mode == "concate_and_append":
             pieces = [s.stream_executor.text_[s.stream_executor.fork_start_text_pos:] for s in self.states]
             parent.submit(SglConstantText("".join(pieces)))

@@ -14,6 +14,7 @@ from srt.lang.program_state import ProgramState
 
 logger = logging.getLogger(__name__)
 _default_backend: Optional[BaseBackend] = None
+MIN_CACHED_PREFIX_CHARS = 64  # shorter constant prefixes are not worth a request (SGLang's threshold)
 
 
 def set_default_backend(backend) -> None:
@@ -82,7 +83,7 @@ def run_program_batch(program, backend, batch: List[Dict[str, Any]], defaults, n
     backend = resolve_backend(backend)
     if len(batch) > 1:
         prefix = constant_prefix(program, backend, batch[:2], defaults)
-        if prefix:
+        if len(prefix) > MIN_CACHED_PREFIX_CHARS:
             backend.cache_prefix(prefix)
     if num_threads == "auto":
         num_threads = max(96, (os.cpu_count() or 1) * 16)
@@ -123,7 +124,10 @@ class _StopTrace(BaseException):
 
 class _TraceBackend(BaseBackend):
     def __init__(self, inner: BaseBackend):
-        self.chat_template = inner.get_chat_template()
+        self.inner = inner
+
+    def get_chat_template(self):
+        return self.inner.get_chat_template()
 
     def _generate(self, body):
         raise _StopTrace

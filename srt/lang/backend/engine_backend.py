@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any, Dict, Iterator
 
-from managers.generate_input import RequestError
 from srt.lang.backend.base_backend import BackendError, BaseBackend
 from srt.lang.chat_template import RoleTemplate
 
@@ -22,12 +21,16 @@ class EngineBackend(BaseBackend):
         return self.engine.generate(prompt=text, input_ids=input_ids, sampling_params=params, stream=stream, **body)
 
     def _generate(self, body: Dict[str, Any]) -> Any:
+        from managers.generate_input import RequestError
+
         try:
             return self._call(body, stream=False)
         except RequestError as exc:
             raise BackendError(exc.message, exc.status_code) from None
 
     def _generate_stream(self, body: Dict[str, Any]) -> Iterator[Dict[str, Any]]:
+        from managers.generate_input import RequestError
+
         try:
             yield from self._call(body, stream=True)
         except RequestError as exc:

@@ -1,7 +1,7 @@
 """`RuntimeEndpoint`: run programs against a server's native API over HTTP.
 
-The server's chat template is loaded from its tokenizer directory (named by `/get_model_info`)
-when this machine can read it, with the server's own `--chat-template` if it has one;
+The server's chat template is loaded, on a program's first role, from its tokenizer directory
+(named by `/get_model_info`) when this machine can read it, with the server's own `--chat-template` if it has one;
 `chat_template_name` (a built-in name such as `chatml`, or a Jinja file) overrides both.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import urllib.error
 import urllib.request
 from typing import Any, Dict, Iterator, Optional
@@ -27,7 +28,17 @@ class RuntimeEndpoint(BaseBackend):
         self.api_key = api_key
         self.timeout = timeout
         self.model_info = self._request("GET", "/get_model_info")
-        self.chat_template = self._load_template(chat_template_name)
+        self.chat_template_name = chat_template_name
+        self._template_lock = threading.Lock()
+        self._template_loaded = False
+
+    def get_chat_template(self):
+        """Loaded on first use (a role, or a gen inside one): loading a tokenizer takes seconds."""
+        with self._template_lock:
+            if not self._template_loaded:
+                self.chat_template = self._load_template(self.chat_template_name)
+                self._template_loaded = True
+        return self.chat_template
 
     def _load_template(self, chat_template_name: Optional[str]):
         from srt.utils.hf_transformers_utils import get_tokenizer

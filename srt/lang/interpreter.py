@@ -14,7 +14,7 @@ import threading
 from typing import Any, Dict, List, Optional
 
 from srt.lang.ir import (SglCommitLazy, SglConstantText, SglExpr, SglExprList, SglGen, SglRoleBegin, SglRoleEnd,
-                         SglSamplingParams, SglSelect, SglVarScopeBegin, SglVarScopeEnd)
+                         SglSamplingParams, SglSelect, SglVarScopeBegin, SglVarScopeEnd, as_expr)
 
 _STOP = object()
 
@@ -47,7 +47,7 @@ class StreamExecutor:
 
     # --------------------------------------------------------------- queueing
     def submit(self, expr) -> None:
-        expr = _as_expr(expr)
+        expr = as_expr(expr)
         if self._ended:
             raise RuntimeError("This program state has finished (its program returned); start a new run "
                                "or use s.copy() inside the program.")
@@ -238,11 +238,3 @@ def _names(expr: SglExpr):
             yield from _names(e)
     elif isinstance(expr, (SglGen, SglSelect, SglVarScopeBegin)) and expr.name is not None:
         yield expr.name
-
-
-def _as_expr(value) -> SglExpr:
-    if isinstance(value, SglExpr):
-        return value
-    if isinstance(value, str):
-        return SglConstantText(value)
-    raise TypeError(f"cannot add {type(value).__name__} to a program state: use str or an sgl expression")

@@ -97,13 +97,13 @@ class SglExpr:
     """Something a program appends to its state; `a + b` builds a list executed in order."""
 
     def __add__(self, other):
-        return SglExprList([self, _as_expr(other)])
+        return SglExprList([self, as_expr(other)])
 
     def __radd__(self, other):
-        return SglExprList([_as_expr(other), self])
+        return SglExprList([as_expr(other), self])
 
 
-def _as_expr(value) -> SglExpr:
+def as_expr(value) -> SglExpr:
     if isinstance(value, SglExpr):
         return value
     if isinstance(value, str):
@@ -113,7 +113,7 @@ def _as_expr(value) -> SglExpr:
 
 class SglExprList(SglExpr):
     def __init__(self, exprs: List[SglExpr]):
-        exprs = [_as_expr(x) for x in exprs]
+        exprs = [as_expr(x) for x in exprs]
         self.exprs = [e for x in exprs for e in (x.exprs if isinstance(x, SglExprList) else [x])]
 
 

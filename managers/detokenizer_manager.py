@@ -11,7 +11,7 @@ import os
 import signal
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple
 
 from managers.io_struct import BatchStrOut, BatchTokenIDOut, DecodeParams
 
@@ -30,6 +30,8 @@ class DecodeStatus:
     ids[surr_offset:read_offset]: already in `decoded_text`, the left context of the next decode.
     ids[read_offset:]: not yet in `decoded_text` (they may end inside a UTF-8 character).
     decoded_text[:sent_offset]: what the last update carried; it never moves backwards.
+    decoded_text[:stop_free_len]: text of outputs before `min_new_tokens - 1`; a stop string that
+    ends inside it never stops the request, so it is not held back.
     """
 
     tail_ids: List[int]
@@ -37,6 +39,7 @@ class DecodeStatus:
     surr_offset: int = 0
     read_offset: int = 0
     sent_offset: int = 0
+    stop_free_len: int = 0
 
     def ids(self, output_ids: Sequence[int], start: int, end: Optional[int] = None) -> List[int]:
         """`(tail_ids + output_ids)[start:end]` without building the whole list."""
@@ -74,15 +77,16 @@ class TextDecoder:
         return [self.tokenizer.decode(seq, **kwargs) for seq in seqs]
 
 
-def stop_safe_len(text: str, stops: Sequence[str], start: int) -> int:
+def stop_safe_len(text: str, stops: Sequence[str], start: int, stop_free_len: int = 0) -> int:
     """How much of `text` may be sent while the request runs: up to the first full stop string
-    at or after `start`, else all but the longest suffix that is a proper prefix of a stop string."""
+    ending after `start` (and after `stop_free_len`, see `DecodeStatus`), else all but the
+    longest suffix that is a proper prefix of a stop string."""
     stops = [s for s in stops if s]
     if not stops:
         return len(text)
     max_len = max(len(s) for s in stops)
-    search_from = max(0, start - max_len + 1)
-    found = [pos for pos in (text.find(s, search_from) for s in stops) if pos != -1]
+    after = max(start, stop_free_len)
+    found = [pos for pos in (text.find(s, max(0, after - len(s) + 1)) for s in stops) if pos != -1]
     if found:
         return min(found)
     for k in range(min(max_len - 1, len(text) - start), 0, -1):
@@ -104,7 +108,7 @@ class DetokenizerManager:
         assert max_live_states >= 1, f"max_live_states must be >= 1, got {max_live_states}"
         self.decoder = TextDecoder(tokenizer)
         self.max_live_states = max_live_states
-        self.decode_status: "OrderedDict[str, DecodeStatus]" = OrderedDict()
+        self.decode_status: "OrderedDict[Hashable, DecodeStatus]" = OrderedDict()
 
     def handle(self, msg: Any) -> Any:
         """Dispatch of the process loop: what to send to the tokenizer manager for `msg`."""
@@ -114,7 +118,7 @@ class DetokenizerManager:
 
     def handle_batch_token_id_out(self, msg: BatchTokenIDOut) -> BatchStrOut:
         params = [_item(msg.decode_params, i, _DEFAULT_PARAMS) for i in range(len(msg.rids))]
-        states = [self._status(rid, _item(msg.input_tail_ids, i, [])) for i, rid in enumerate(msg.rids)]
+        states = [self._status(self._key(msg, i), _item(msg.input_tail_ids, i, [])) for i in range(len(msg.rids))]
         surr_texts, read_texts = self._decode_windows(states, msg.output_ids, params)
         texts = []
         for i, rid in enumerate(msg.rids):
@@ -129,9 +133,11 @@ class DetokenizerManager:
                 state.decoded_text += new_text
                 state.surr_offset = state.read_offset
                 state.read_offset = len(state.tail_ids) + len(output_ids)
-            texts.append(self._visible_text(state, params[i], finished))
+                if len(output_ids) < params[i].min_new_tokens:
+                    state.stop_free_len = len(state.decoded_text)
+            texts.append(self._visible_text(state, params[i], finished, _item(msg.stop_str_from_end, i, None)))
             if finished is not None:
-                self.decode_status.pop(rid, None)
+                self.decode_status.pop(self._key(msg, i), None)
         return BatchStrOut(
             rids=list(msg.rids),
             texts=texts,
@@ -140,7 +146,14 @@ class DetokenizerManager:
             meta_info=msg.meta_info,
         )
 
-    def _status(self, rid: str, tail_ids: Sequence[int]) -> DecodeStatus:
+    @staticmethod
+    def _key(msg: BatchTokenIDOut, i: int) -> Hashable:
+        """An n > 1 child is known by its parent and its name: a client may send a rid equal to
+        a child's name (`abc-0` next to child 0 of `abc`), and both may be live at once."""
+        parent = _item(msg.meta_info, i, {}).get("parent_rid")
+        return msg.rids[i] if parent is None else (parent, msg.rids[i])
+
+    def _status(self, rid: Hashable, tail_ids: Sequence[int]) -> DecodeStatus:
         state = self.decode_status.get(rid)
         if state is not None:
             self.decode_status.move_to_end(rid)
@@ -172,20 +185,25 @@ class DetokenizerManager:
         return surr_texts, read_texts
 
     @staticmethod
-    def _visible_text(state: DecodeStatus, params: DecodeParams, finished: Optional[Dict[str, Any]]) -> str:
-        """The cumulative text of this update; it always starts with the previous update's text."""
+    def _visible_text(state: DecodeStatus, params: DecodeParams, finished: Optional[Dict[str, Any]],
+                      stop_from_end: Optional[int] = None) -> str:
+        """The cumulative text of this update; it always starts with the previous update's text.
+        A stop-string finish is trimmed at the occurrence that stopped the request: where the
+        scheduler says it starts, else the last one (the stopping one ends in the last token)."""
         text = state.decoded_text
         if finished is not None:
             matched = finished.get("matched") if finished.get("type") == "stop" else None
             if isinstance(matched, str) and matched and not params.no_stop_trim:
-                pos = text.find(matched, max(0, state.sent_offset - len(matched)))
+                pos = len(text) - stop_from_end if stop_from_end is not None else -1
+                if not (0 <= pos and text.startswith(matched, pos)):
+                    pos = text.rfind(matched)
                 if pos != -1:
                     return text[:max(pos, state.sent_offset)]
             return text
         if params.no_stop_trim:
             end = len(text)
         else:
-            end = stop_safe_len(text, params.stop, state.sent_offset)
+            end = stop_safe_len(text, params.stop, state.sent_offset, state.stop_free_len)
         state.sent_offset = max(end, state.sent_offset)
         return text[:state.sent_offset]
 

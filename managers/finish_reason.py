@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Union
 
 
@@ -32,6 +32,10 @@ class FINISH_MATCHED_TOKEN(BaseFinishReason):
 @dataclass
 class FINISH_MATCHED_STR(BaseFinishReason):
     matched: str
+    # Characters from the start of the stopping occurrence to the end of the output text (as the
+    # scheduler decoded its tail): the detokenizer trims there, not at an earlier occurrence that
+    # `min_new_tokens` ignored. Not part of the client-visible JSON.
+    from_end: Optional[int] = field(default=None, compare=False)
 
     def to_json(self) -> Dict[str, Any]:
         return {"type": "stop", "matched": self.matched}

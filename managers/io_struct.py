@@ -7,7 +7,7 @@ Flow: TokenizerManager --TokenizedGenerateReqInput/AbortReq/FlushCacheReqInput/.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Hashable, List, Optional
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 from srt.sampling.sampling_params import SamplingParams
 
@@ -23,13 +23,13 @@ class TokenizedGenerateReqInput:
     top_logprobs_num: int = 0
     token_ids_logprob: Optional[List[int]] = None
     stream: bool = False
-    extra_key: Optional[Hashable] = None
+    extra_key: Optional[Union[str, Tuple[str, str]]] = None  # cache namespace: extra_key and/or cache_salt
     data_parallel_rank: Optional[int] = None  # a replica the caller chose (else the controller picks)
 
 
 @dataclass
 class AbortReq:
-    rid: str = ""  # matches every rid that starts with it
+    rid: str = ""  # the client's rid, matched exactly; n > 1 children match through their parent_rid
     abort_all: bool = False
 
 
@@ -73,6 +73,7 @@ class DecodeParams:
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
     stop: List[str] = field(default_factory=list)
+    min_new_tokens: int = 0  # a stop ending in the first min_new_tokens - 1 tokens never stops: stream it
 
 
 @dataclass
@@ -87,6 +88,9 @@ class BatchTokenIDOut:
     meta_info: List[Dict[str, Any]] = field(default_factory=list)
     decode_params: List[DecodeParams] = field(default_factory=list)
     input_tail_ids: List[List[int]] = field(default_factory=list)
+    # Per finished stop-string request: characters from the start of the stopping occurrence to
+    # the end of the output text (None: not a stop-string finish, or unknown).
+    stop_str_from_end: List[Optional[int]] = field(default_factory=list)
 
 
 @dataclass

@@ -20,6 +20,9 @@ from mem_cache.radix_tree_node import RadixKey
 from srt.sampling.sampling_params import SamplingParams
 
 _EMPTY = torch.empty(0, dtype=torch.int64, device="cpu")  # replaced by a device tensor on admission
+REPLACEMENT_CHAR = "\ufffd"  # what decode yields for a trailing incomplete UTF-8 sequence
+STOP_TAIL_MARGIN = 2  # tokens decoded beyond the stop bound (left context for the first character)
+STOP_REGEX_TAIL_TOKENS = 8  # a regex has no length bound: its match is looked for in this many tokens
 
 
 class Req:
@@ -39,6 +42,11 @@ class Req:
         vocab_size: Optional[int] = None,
     ):
         self.rid = rid
+        # n > 1: the children (and the internal prefix request) belong to `parent_rid`, the rid the
+        # client sent; aborts and the queue bound go through it, never through a child's own name.
+        self.parent_rid: Optional[str] = None
+        self.child_index = 0
+        self.internal = False  # the prefill-only prefix request of an n > 1 request: never reported
         self.origin_input_ids: List[int] = list(origin_input_ids)
         self.sampling_params = sampling_params
         self.return_logprob = return_logprob
@@ -97,6 +105,11 @@ class Req:
         self.origin_input_ids = self.origin_input_ids[:n]
         self._key_ids = list(self.origin_input_ids)
         self._radix_key = RadixKey(self._key_ids, self.extra_key)
+
+    @property
+    def client_rid(self) -> str:
+        """The rid the client knows this request by (what `AbortReq.rid` matches exactly)."""
+        return self.rid if self.parent_rid is None else self.parent_rid
 
     # ------------------------------------------------------------------ prefix matching
     @property
@@ -158,19 +171,40 @@ class Req:
         if tokenizer is not None and (sp.stop or sp.stop_regex) and len(self.output_ids) >= sp.min_new_tokens:
             self._check_stop_strings(tokenizer)
 
-    def _check_stop_strings(self, tokenizer: Any) -> None:
+    def stop_tail_tokens(self) -> int:
+        """Output tokens decoded for the stop check: every token decodes to at least one UTF-8
+        byte, so the longest stop string's length in bytes (plus a margin) always covers it,
+        whatever the tokenizer makes of the stop string on its own."""
         sp = self.sampling_params
-        tail_tokens = max(sp.stop_str_max_len, 8) + 2
-        tail = tokenizer.decode(self.output_ids[-tail_tokens:], skip_special_tokens=False)
+        longest = max((len(s.encode("utf-8")) for s in sp.stop or ()), default=0)
+        if sp.stop_regex:
+            longest = max(longest, STOP_REGEX_TAIL_TOKENS)
+        return longest + STOP_TAIL_MARGIN
+
+    def _check_stop_strings(self, tokenizer: Any) -> None:
+        """Only an occurrence that ends in the newest token stops the request: an earlier one was
+        either seen on its own step or came before `min_new_tokens` (ignored for good). The match
+        records how far from the end of the output text it starts, so the detokenizer trims there."""
+        sp = self.sampling_params
+        tail_ids = self.output_ids[-self.stop_tail_tokens():]
+        tail = tokenizer.decode(tail_ids, skip_special_tokens=False)
+        if not any(stop in tail for stop in sp.stop or ()) and not any(re.search(p, tail) for p in sp.stop_regex or ()):
+            return
+        # Text before the newest token; a trailing incomplete character may be completed by it.
+        before = len(tokenizer.decode(tail_ids[:-1], skip_special_tokens=False).rstrip(REPLACEMENT_CHAR))
+        best = None  # (start, matched)
         for stop in sp.stop or ():
-            if stop in tail:
-                self.finished_reason = FINISH_MATCHED_STR(stop)
-                return
-        for pattern in sp.stop_regex or ():
-            m = re.search(pattern, tail)
-            if m:
-                self.finished_reason = FINISH_MATCHED_STR(m.group(0))
-                return
+            pos = tail.find(stop, max(0, before - len(stop) + 1))
+            if pos != -1 and (best is None or pos < best[0]):
+                best = (pos, stop)
+        if best is None:
+            for pattern in sp.stop_regex or ():
+                m = next((m for m in re.finditer(pattern, tail) if m.end() > before), None)
+                if m is not None:
+                    best = (m.start(), m.group(0))
+                    break
+        if best is not None:
+            self.finished_reason = FINISH_MATCHED_STR(best[1], from_end=len(tail) - best[0])
 
     # ------------------------------------------------------------------ retraction
     def reset_for_retract(self) -> None:

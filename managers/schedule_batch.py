@@ -20,7 +20,9 @@ from kernels.device_utils import host_to_device, is_cuda
 
 logger = logging.getLogger(__name__)
 
-CLIP_MAX_NEW_TOKENS = 4096  # cap on one request's reserved decode tokens in KV budgets
+# A retraction frees enough KV for the remaining requests to decode this many more tokens each
+# (SGLang's retract_decode_steps): stopping once one step fits would retract again next step.
+RETRACT_DECODE_STEPS = 20
 
 
 class KVAllocError(RuntimeError):
@@ -112,7 +114,18 @@ class ScheduleBatch:
 
     def check_decode_mem(self) -> bool:
         """Enough free slots for one more token per request, evicting the tree if needed."""
-        need = self.new_page_count() * self.page_size
+        return self._has_room(self.new_page_count() * self.page_size)
+
+    def decode_tokens_needed(self, steps: int) -> int:
+        """KV slots for the next `steps` tokens of every request (fewer for one that finishes
+        sooner), in whole pages: a request's tokens fill its last partial page first."""
+        need = 0
+        for r in self.reqs:
+            k = max(1, min(steps, r.sampling_params.max_new_tokens - len(r.output_ids)))
+            need += self._pages(r.kv_committed_len + k) - self._pages(r.kv_committed_len)
+        return need
+
+    def _has_room(self, need: int) -> bool:
         if self.allocator.available_size() < need:
             self.tree_cache.evict(need - self.allocator.available_size())
         return self.allocator.available_size() >= need
@@ -195,26 +208,24 @@ class ScheduleBatch:
         self.req_to_token_pool.free(req.req_pool_idx)
         req.req_pool_idx = None
 
-    def retract_decode(self) -> Tuple[List[Req], bool]:
-        """Retract requests until the rest can decode one step. Victims: fewest generated tokens
-        first, ties to the longest prompt. Returns (retracted, whether the rest now fits)."""
-        order = sorted(range(len(self.reqs)),
-                       key=lambda i: (len(self.reqs[i].output_ids), -len(self.reqs[i].origin_input_ids)))
+    def retract_req(self, req: Req) -> None:
+        """Take `req` out of the batch, back to a waiting request (KV released, outputs kept)."""
+        self.release_req(req)
+        req.reset_for_retract()
+        self.reqs = [r for r in self.reqs if r is not req]
+
+    def retract_decode(self, steps: int = RETRACT_DECODE_STEPS) -> List[Req]:
+        """Retract at least one request, and go on until the rest can decode `steps` more
+        tokens each (or one is left). Victims: fewest generated tokens first, ties to the
+        longest prompt. Whether the rest fits one step is `check_decode_mem()`."""
+        order = sorted(self.reqs, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
         retracted: List[Req] = []
-        while len(self.reqs) > 1 and not self.check_decode_mem():
-            victim = self.reqs[order.pop(0)]
-            self.release_req(victim)
-            victim.reset_for_retract()
+        while len(self.reqs) > 1 and (not retracted or not self._has_room(self.decode_tokens_needed(steps))):
+            victim = order.pop(0)
+            self.retract_req(victim)
             retracted.append(victim)
-            keep = [r for r in self.reqs if r is not victim]
-            index = {id(r): i for i, r in enumerate(keep)}
-            order = [index[id(self.reqs[i])] for i in order]
-            self.reqs = keep
-        return retracted, self.check_decode_mem()
+        return retracted
 
     # ------------------------------------------------------------------ membership
     def filter_batch(self, keep: Optional[List[Req]] = None) -> None:
         self.reqs = [r for r in self.reqs if not r.finished()] if keep is None else keep
-
-    def merge_batch(self, other: "ScheduleBatch") -> None:
-        self.reqs = self.reqs + other.reqs

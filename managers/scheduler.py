@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from managers.finish_reason import FINISH_ABORT, FINISH_LENGTH
 from managers.io_struct import (
@@ -15,7 +14,7 @@ from managers.io_struct import (
     TokenizedGenerateReqInput,
 )
 from managers.req import Req
-from managers.schedule_batch import KVAllocError, ScheduleBatch
+from managers.schedule_batch import RETRACT_DECODE_STEPS, KVAllocError, ScheduleBatch
 from managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
 from managers.scheduler_admission import AdmissionControl
 from managers.scheduler_grammar import GrammarManager
@@ -43,10 +42,11 @@ class Scheduler:
             self.tree_cache = RadixCache(*pools, page_size=self.page_size,
                                          eviction_policy=server_args.radix_eviction_policy)
         self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache)
-        self.admission = AdmissionControl(self)
+        self.admission = AdmissionControl(model_runner, server_args, tokenizer)
         self.grammars = GrammarManager(self)
         self.waiting_queue: List[Req] = []
-        self.parked: dict = {}  # n > 1: children waiting for their shared prefix to be cached
+        # n > 1: internal prefix request -> its children, queued once it is cached (failed with it)
+        self.parked: Dict[Req, List[Req]] = {}
         self.running_batch = ScheduleBatch([], model_runner, self.tree_cache)
         self.chunked_req: Optional[Req] = None
         chunk = server_args.chunked_prefill_size
@@ -73,11 +73,6 @@ class Scheduler:
         return self.runner.max_running_requests
 
     # ------------------------------------------------------------------ loop
-    def event_loop(self, should_stop: Callable[[], bool] = lambda: False) -> None:
-        while not should_stop():
-            if not self.step():
-                time.sleep(0.001)
-
     def step(self) -> bool:
         """One iteration; returns False when there was nothing to run."""
         for msg in self.recv():
@@ -98,7 +93,7 @@ class Scheduler:
     def process_input(self, msg: Any) -> None:
         if isinstance(msg, TokenizedGenerateReqInput):
             self.stats["num_requests"] += 1
-            self.admission.handle_generate_request(msg)
+            self.handle_generate_request(msg)
         elif isinstance(msg, AbortReq):
             self.abort_request(msg)
         elif isinstance(msg, FlushCacheReqInput):
@@ -109,6 +104,22 @@ class Scheduler:
             self.stopped = True
         else:
             raise TypeError(f"scheduler got an unknown message {type(msg).__name__}")
+
+    def handle_generate_request(self, msg: TokenizedGenerateReqInput) -> None:
+        decision = self.admission.admit(msg, self.num_queued)
+        if decision.refused is not None:
+            self.stats["num_aborts"] += 1
+            self._stream([decision.refused])
+            return
+        self.waiting_queue.extend(decision.queue)
+        if decision.parked:
+            self.parked[decision.queue[0]] = decision.parked
+
+    def num_queued(self) -> int:
+        """Requests waiting as the client counts them: each parked n > 1 child is one, the
+        internal prefix request none (a waiting one has no request slot yet)."""
+        parked = sum(len(children) - (prefix.req_pool_idx is None) for prefix, children in self.parked.items())
+        return len(self.waiting_queue) + parked
 
     def is_idle(self) -> bool:
         return (self.running_batch.is_empty() and not self.waiting_queue and self.chunked_req is None
@@ -158,26 +169,27 @@ class Scheduler:
         return ScheduleBatch(list(adder.can_run_list), self.runner, self.tree_cache)
 
     def update_running_batch(self) -> None:
-        """Make room for one decode step: evict, then retract; abort a lone request that cannot fit."""
+        """Make room for one decode step: evict, then retract (with headroom for
+        RETRACT_DECODE_STEPS more); abort a lone request that cannot fit."""
         batch = self.running_batch
         interval = envs.TEST_RETRACT_INTERVAL.get()
         forced = interval > 0 and self.decode_ct > 0 and self.decode_ct % interval == 0 and len(batch.reqs) > 1
-        if forced or not batch.check_decode_mem():
-            if forced:
-                victim = min(batch.reqs, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
-                batch.release_req(victim)
-                victim.reset_for_retract()
-                batch.reqs = [r for r in batch.reqs if r is not victim]
-                retracted, fits = [victim], batch.check_decode_mem()
-            else:
-                retracted, fits = batch.retract_decode()
-            self._after_retract(retracted)
-            if not fits:  # a single request that cannot get a slot even alone
-                req = batch.reqs[0]
-                self._abort_running(req, "Decode out of memory. Try to lower your batch size: " + self._kv_numbers(req))
-                batch.reqs = []
-        else:
+        if not forced and batch.check_decode_mem():
             self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
+            return
+        retracted: List[Req] = []
+        if forced:  # the test hook: one victim, then the normal path if memory is short anyway
+            victim = min(batch.reqs, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
+            batch.retract_req(victim)
+            retracted.append(victim)
+        if not batch.check_decode_mem():
+            retracted += batch.retract_decode()
+        self._after_retract(retracted)
+        if not batch.check_decode_mem():  # a single request that cannot get a slot even alone
+            assert len(batch.reqs) == 1, f"retraction left {len(batch.reqs)} requests that do not fit"
+            req = batch.reqs[0]
+            self._abort_running(req, "Decode out of memory. Try to lower your batch size: " + self._kv_numbers(req))
+            batch.reqs = []
 
     def _after_retract(self, retracted: List[Req]) -> None:
         if not retracted:
@@ -187,7 +199,7 @@ class Scheduler:
         reqs = self.running_batch.reqs
         generated = sum(len(r.output_ids) for r in reqs)
         wanted = sum(r.sampling_params.max_new_tokens for r in reqs)
-        self.new_token_ratio = min(1.0, (generated + 20 * len(reqs)) / (wanted + 1))
+        self.new_token_ratio = min(1.0, (generated + RETRACT_DECODE_STEPS * len(reqs)) / (wanted + 1))
         logger.warning("KV cache is full: retracted %d request(s); #running=%d, new_token_ratio=%.3f.",
                        len(retracted), len(reqs), self.new_token_ratio)
 
@@ -225,6 +237,7 @@ class Scheduler:
     def process_batch_result_prefill(self, batch: ScheduleBatch, sample) -> None:
         sample = sample.to_host()  # the step's one device-to-host transfer
         tokens = sample.next_token_ids
+        sampled = 0
         for i, req in enumerate(batch.reqs):
             if req is self.chunked_req:  # partial prompt: no token, keep prefilling next round
                 req.is_chunked += 1
@@ -239,13 +252,14 @@ class Scheduler:
                 req.finished_reason = FINISH_LENGTH(0)
             else:
                 append_token(req, i, tokens[i], sample)
+                sampled += 1
                 req.check_finished(self.tokenizer)
             if req.finished():
                 self._finish(req)
             else:
                 self.tree_cache.cache_unfinished_req(req)
                 self.running_batch.reqs.append(req)
-        self.stats["generated_tokens"] += len(batch.reqs)
+        self.stats["generated_tokens"] += sampled  # not chunk steps nor prefill-only requests
         self._stream(batch.reqs)
 
     def process_batch_result_decode(self, batch: ScheduleBatch, sample) -> None:
@@ -263,11 +277,23 @@ class Scheduler:
 
     def _finish(self, req: Req) -> None:
         self.tree_cache.cache_finished_req(req)
-        if isinstance(req.finished_reason, FINISH_ABORT):
+        if isinstance(req.finished_reason, FINISH_ABORT) and not req.internal:
             self.stats["num_aborts"] += 1
-        children = self.parked.pop(req.rid, None)
-        if children:
+        self._release_children(req)
+
+    def _release_children(self, req: Req) -> None:
+        """`req` finished: if it is an n > 1 prefix request, queue its children, or, when it
+        failed, finish them with its error (they would otherwise wait for it forever)."""
+        children = self.parked.pop(req, None)
+        if not children:
+            return
+        if not isinstance(req.finished_reason, FINISH_ABORT):
             self.waiting_queue.extend(children)
+            return
+        for child in children:
+            child.finished_reason = req.finished_reason
+        self.stats["num_aborts"] += len(children)
+        self._stream(children)
 
     def _fail_batch(self, batch: ScheduleBatch, is_decode: bool, detail: str) -> None:
         """Out of KV despite the budget: abort the batch's requests, keep serving."""
@@ -283,6 +309,8 @@ class Scheduler:
         for req in batch.reqs:
             if req is self.chunked_req:
                 self.chunked_req = None
+            if req.req_pool_idx is None:  # admitted (its prefix locked) but it never got a row
+                self.tree_cache.dec_lock_ref(req.last_node)
             self._abort_running(req, message)
         if is_decode:
             batch.reqs = []
@@ -290,8 +318,9 @@ class Scheduler:
     def _abort_running(self, req: Req, message: str) -> None:
         self.running_batch.release_req(req)
         req.finished_reason = FINISH_ABORT(message, 503)
-        self.stats["num_aborts"] += 1
+        self.stats["num_aborts"] += not req.internal
         self._stream([req])
+        self._release_children(req)
 
     def _stream(self, reqs: List[Req]) -> None:
         out = build_output(reqs)
@@ -300,20 +329,23 @@ class Scheduler:
 
     # ------------------------------------------------------------------ abort / flush / idle
     def abort_request(self, msg: AbortReq) -> None:
+        """Abort the request whose client rid is exactly `msg.rid` (all of its n > 1 children
+        and its prefix request with it), or everything with `abort_all`."""
         def hit(r: Req) -> bool:
-            return msg.abort_all or r.rid.startswith(msg.rid)
+            return msg.abort_all or r.client_rid == msg.rid
 
+        for prefix in [p for p in self.parked if hit(p)]:
+            for child in self.parked.pop(prefix):
+                child.finished_reason = FINISH_ABORT("Aborted by request.", 499)
+                self.stats["num_aborts"] += 1
+                self._stream([child])
         for req in [r for r in self.waiting_queue if hit(r)]:
             self.waiting_queue.remove(req)
             if req.req_pool_idx is not None:
                 self.running_batch.release_req(req)
             req.finished_reason = FINISH_ABORT("Aborted by request.", 499)
-            self.stats["num_aborts"] += 1
+            self.stats["num_aborts"] += not req.internal
             self._stream([req])
-        for rid in [k for k, v in self.parked.items() if msg.abort_all or any(hit(c) for c in v)]:
-            for child in self.parked.pop(rid):
-                child.finished_reason = FINISH_ABORT("Aborted by request.", 499)
-                self._stream([child])
         running = self.running_batch.reqs + ([self.chunked_req] if self.chunked_req else [])
         for req in running:
             if hit(req):
@@ -322,7 +354,7 @@ class Scheduler:
     def flush_cache(self) -> FlushCacheReqOutput:
         if not self.is_idle():
             return FlushCacheReqOutput(False, f"Cache not flushed: {len(self.running_batch.reqs)} running and "
-                                              f"{len(self.waiting_queue)} waiting requests.")
+                                              f"{self.num_queued()} waiting requests.")
         self.tree_cache.reset()
         self.runner.req_to_token_pool.clear()
         self.runner.token_to_kv_pool_allocator.clear()
@@ -334,7 +366,7 @@ class Scheduler:
         return used / self.max_total_num_tokens
 
     def get_load(self) -> GetLoadReqOutput:
-        return GetLoadReqOutput(len(self.running_batch.reqs), len(self.waiting_queue), self.token_usage(),
+        return GetLoadReqOutput(len(self.running_batch.reqs), self.num_queued(), self.token_usage(),
                                 self.max_total_num_tokens, dict(self.stats), dp_rank=self.dp_rank)
 
     def on_idle(self) -> None:

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import torch
 
+from managers.finish_reason import FINISH_MATCHED_STR
 from managers.io_struct import BatchTokenIDOut, DecodeParams
 from managers.req import Req
 from kernels.device_utils import host_to_device
@@ -92,14 +93,14 @@ def meta_info(req: Req) -> Dict[str, Any]:
         if req.input_token_logprobs_val is not None:
             meta["input_token_logprobs"] = [
                 [v, t] for v, t in zip(req.input_token_logprobs_val, req.input_token_logprobs_idx)]
-    if getattr(req, "parent_rid", None) is not None:
+    if req.parent_rid is not None:
         meta["parent_rid"], meta["index"] = req.parent_rid, req.child_index
     return meta
 
 
 def build_output(reqs: List[Req], force: bool = False) -> Optional[BatchTokenIDOut]:
     """Updates for requests that finished or stream (internal requests are never reported)."""
-    chosen = [r for r in reqs if not getattr(r, "internal", False) and (force or r.finished() or r.stream)]
+    chosen = [r for r in reqs if not r.internal and (force or r.finished() or r.stream)]
     if not chosen:
         return None
     return BatchTokenIDOut(
@@ -109,6 +110,7 @@ def build_output(reqs: List[Req], force: bool = False) -> Optional[BatchTokenIDO
         meta_info=[meta_info(r) for r in chosen],
         decode_params=[_decode_params(r) for r in chosen],
         input_tail_ids=[r.origin_input_ids[-INPUT_TAIL:] for r in chosen],
+        stop_str_from_end=[_stop_from_end(r) for r in chosen],
     )
 
 
@@ -118,4 +120,9 @@ INPUT_TAIL = 5  # prompt tokens of left context for incremental detokenization
 def _decode_params(req: Req) -> DecodeParams:
     sp = req.sampling_params
     return DecodeParams(sp.skip_special_tokens, sp.spaces_between_special_tokens, sp.no_stop_trim,
-                        list(sp.stop or []))
+                        list(sp.stop or []), sp.min_new_tokens)
+
+
+def _stop_from_end(req: Req) -> Optional[int]:
+    reason = req.finished_reason
+    return reason.from_end if isinstance(reason, FINISH_MATCHED_STR) else None

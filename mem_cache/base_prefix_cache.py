@@ -28,11 +28,6 @@ class MatchResult:
     device_indices: torch.Tensor
     last_node: Any
 
-    @property
-    def last_device_node(self) -> Any:
-        """SGLang's name for `last_node`."""
-        return self.last_node
-
 
 class BasePrefixCache(abc.ABC):
     """Who may reuse which KV slots.

@@ -8,7 +8,7 @@ import torch
 
 from mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from mem_cache.chunk_cache import ChunkCache
-from mem_cache.radix_cache import MatchResult, RadixCache, RadixKey
+from mem_cache.radix_cache import RadixCache, RadixKey
 
 
 def make_cache(page_size: int = 1, size: int = 512, policy: str = "lru") -> RadixCache:
@@ -126,13 +126,6 @@ def test_a_miss_packs_only_the_start_of_a_long_key():
 def test_token_ids_outside_int32_are_refused():
     with pytest.raises(ValueError, match="int32"):
         tree_only().match_prefix([2**31])
-
-
-def test_match_result_exposes_last_device_node():
-    cache = tree_only()
-    cache.insert([4, 5])
-    result = cache.match_prefix([4, 5])
-    assert isinstance(result, MatchResult) and result.last_device_node is result.last_node
 
 
 # -- namespaces ----------------------------------------------------------------------------------

@@ -91,7 +91,8 @@ def test_abort_waiting_and_running(llama_model):
         h.submit(f"job-{i}", random_prompts(1000, [12], seed=40 + i)[0], max_new_tokens=50, ignore_eos=True)
     h.sched.step()  # job-0 prefilled and running; the others wait
     h.sched.step()
-    h.sched.process_input(AbortReq(rid="job-"))
+    for i in range(3):  # aborts match exact rids (issue 15): one per request
+        h.sched.process_input(AbortReq(rid=f"job-{i}"))
     out = h.run()
     assert set(out) == {"job-0", "job-1", "job-2"}
     for f in out.values():

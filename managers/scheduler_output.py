@@ -34,17 +34,23 @@ def append_token(req: Req, i: int, token: int, sample: "SampleOutputHost") -> No
         req.output_token_ids_logprobs.append(list(sample.token_ids_logprobs[i]))
 
 
+INPUT_LOGPROB_CHUNK = 512  # prompt rows per log_softmax: bounds the fp32 temporary to 512 x vocab
+
+
 def accumulate_input_logprobs(reqs: List[Req], logits_output: "LogitsProcessorOutput",
                               prefix_lens: List[int], seq_lens: List[int]) -> None:
-    """Input logprobs: entry j is log p(token[s + j] | tokens before it), entry 0 is None.
+    """Input logprobs: entry j is log p(token[s + j] | tokens before it), entry 0 is None; with
+    `top_logprobs_num` also the top-k at each position (`input_top_logprobs`, entry 0 None).
 
     Rows of `input_token_logits` cover positions `[max(s, prefix), seq)` of each request; the row
     at position p scores token p + 1 (the row of the prompt's last position predicts the output).
+    The log-softmax runs over chunks of rows, so a long prompt never holds a second [L, vocab]
+    fp32 copy, and every value comes back to the host in one transfer.
     """
-    if logits_output.input_token_logits is None:
+    logits = logits_output.input_token_logits
+    if logits is None:
         return
-    logprobs = torch.log_softmax(logits_output.input_token_logits.float(), dim=-1)
-    # Which (row, token) each entry reads, found on the host; then one gather and one transfer.
+    # Which (row, token) each entry reads, found on the host.
     plan, rows, cols, off = [], [], [], 0
     for req, p, s, n in zip(reqs, prefix_lens, seq_lens, logits_output.input_token_logits_lens):
         first, base = s - n, off
@@ -58,14 +64,33 @@ def accumulate_input_logprobs(reqs: List[Req], logits_output: "LogitsProcessorOu
         cols.extend(toks)
     if not plan:
         return
-    device = logprobs.device
-    values = logprobs[host_to_device(rows, torch.int64, device), host_to_device(cols, torch.int64, device)].tolist()
+    k = min(max(req.top_logprobs_num for req, *_ in plan), logits.shape[-1])
+    device = logits.device
+    rows_t, cols_t = host_to_device(rows, torch.int64, device), host_to_device(cols, torch.int64, device)
+    picked, top_vals, top_ids = [], [], []
+    for c in range(0, len(rows), INPUT_LOGPROB_CHUNK):
+        chunk = torch.log_softmax(logits[rows_t[c:c + INPUT_LOGPROB_CHUNK]].float(), dim=-1)
+        picked.append(chunk.gather(1, cols_t[c:c + INPUT_LOGPROB_CHUNK, None]).squeeze(1).double())
+        if k:
+            vals, idx = chunk.topk(k, dim=-1)
+            top_vals.append(vals.double().flatten())
+            top_ids.append(idx.double().flatten())  # ids < 2**53 are exact in float64
+    flat = torch.cat(picked + top_vals + top_ids).tolist()
+    total = len(rows)
+    values, tv, ti = flat[:total], flat[total:total + total * k], flat[total + total * k:]
     for req, s, toks, start in plan:
         ids = req.origin_input_ids
         if req.input_token_logprobs_val is None:
             req.input_token_logprobs_val, req.input_token_logprobs_idx = [None], [ids[req.logprob_start_len]]
+            if req.top_logprobs_num:
+                req.input_top_logprobs_val, req.input_top_logprobs_idx = [None], [None]
         req.input_token_logprobs_val.extend(values[start : start + len(toks)])
         req.input_token_logprobs_idx.extend(toks)
+        if req.top_logprobs_num:
+            kk = req.top_logprobs_num
+            for r in range(start, start + len(toks)):
+                req.input_top_logprobs_val.append(tv[r * k : r * k + kk])
+                req.input_top_logprobs_idx.append([int(t) for t in ti[r * k : r * k + kk]])
         if s >= len(ids):
             req.input_logprobs_done = True
 
@@ -93,6 +118,15 @@ def meta_info(req: Req) -> Dict[str, Any]:
         if req.input_token_logprobs_val is not None:
             meta["input_token_logprobs"] = [
                 [v, t] for v, t in zip(req.input_token_logprobs_val, req.input_token_logprobs_idx)]
+            if req.top_logprobs_num and req.input_top_logprobs_val is not None:
+                meta["input_top_logprobs"] = [
+                    None if vs is None else [[v, t] for v, t in zip(vs, ts)]
+                    for vs, ts in zip(req.input_top_logprobs_val, req.input_top_logprobs_idx)]
+        elif req.logprob_start_len < 0 and req.origin_input_ids:
+            # SGLang's -1: output logprobs only, and the input side is the last prompt token alone
+            meta["input_token_logprobs"] = [[None, req.origin_input_ids[-1]]]
+            if req.top_logprobs_num:
+                meta["input_top_logprobs"] = [None]
     if req.parent_rid is not None:
         meta["parent_rid"], meta["index"] = req.parent_rid, req.child_index
     return meta

@@ -2,6 +2,8 @@
 
 `GenerateReqInput` mirrors SGLang's JSON fields; `normalize()` checks shapes and types and returns
 one `GenerateReqItem` per prompt, so the tokenizer manager never sees a batch-or-single union.
+`RequestLimits` is the one statement of how long a request may be, derived from the scheduler's
+start-up numbers, that the front door, its max_new_tokens clamp and `/v1/models` all read.
 """
 
 from __future__ import annotations
@@ -36,6 +38,51 @@ def _is_int(value: Any) -> bool:
 
 def _is_id_list(value: Any) -> bool:
     return isinstance(value, list) and all(_is_int(t) for t in value)
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """The effective length limits of one server, from the scheduler's `SchedulerReady` numbers
+    (SGLang's arithmetic; C = context length, T = KV pool tokens, L = prompt tokens):
+
+        max_req_len       = min(C - 1, T - 1)
+        max_req_input_len = max_req_len - 5   admission refuses L >= max_req_input_len
+        max_new_tokens   <= max_req_len - 1 - L   (prompt + completion <= max_req_len - 1)
+        max_model_len     = max_req_input_len
+
+    so every prompt shorter than `max_model_len` with L + max_new_tokens <= max_model_len runs
+    exactly as asked; a larger max_new_tokens is clamped and the clamp is reported.
+    """
+
+    context_len: int
+    max_req_len: int
+    max_req_input_len: int
+    max_total_num_tokens: int = 0  # T, only to name the binding limit
+
+    @classmethod
+    def from_scheduler_info(cls, info: Any) -> "RequestLimits":
+        return cls(info.context_len, info.max_req_len, info.max_req_input_len, info.max_total_num_tokens)
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest request (prompt + completion) served as asked, whatever the split."""
+        return max(self.max_req_input_len, 1)
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Most tokens (prompt + completion) one admitted request may reach."""
+        return self.max_req_len - 1
+
+    def max_new_tokens_for(self, prompt_len: int) -> int:
+        """The most tokens a prompt of `prompt_len` tokens may generate (admission's clamp)."""
+        return max(0, self.max_total_tokens - prompt_len)
+
+    def bound(self) -> str:
+        """What sets `max_req_len`: the KV cache pool or the model's context length."""
+        if self.max_req_len < self.context_len - 1:
+            return (f"the KV cache pool ({self.max_total_num_tokens} tokens; raise --mem-fraction-static or "
+                    f"--max-total-tokens for more)")
+        return f"the model's context length ({self.context_len} tokens)"
 
 
 @dataclass(frozen=True)
@@ -116,6 +163,14 @@ class GenerateReqInput:
             else:
                 check_field_rule(key, value, rule)
         return cls(**fields)
+
+    @property
+    def num_prompts(self) -> int:
+        """How many prompts the body carries, counted before any of them is checked (O(1))."""
+        prompts = self.text if self.text is not None else self.input_ids
+        if isinstance(prompts, list) and prompts and (self.text is not None or isinstance(prompts[0], list)):
+            return len(prompts)
+        return 1
 
     @property
     def is_single(self) -> bool:

@@ -1,23 +1,23 @@
 """TokenizerManager: the main process's side of a request (asyncio, no sockets of its own).
 
-It tokenizes (off the event loop for long texts), validates against the context length before
-anything reaches the scheduler, keeps `rid -> ReqState`, turns detokenized updates into response
-dicts, and aborts requests whose consumer went away. The caller wires IPC: `send_to_scheduler`
-out, and `handle_batch_str_out` / `handle_reply` in, called from a task on the same event loop.
+It bounds a request (--max-batch-items, --max-n), tokenizes it (off the event loop for long texts
+and big batches, stopping early once a prompt is certainly over the context length), validates
+against `RequestLimits` before anything reaches the scheduler, keeps `rid -> ReqState`, turns
+detokenized updates into response dicts, and aborts requests whose consumer went away. The caller
+wires IPC: `send_to_scheduler` out, and `handle_batch_str_out` / `handle_reply` in, called from a
+task on the same event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Deque, Dict, List, Optional, Tuple
 
-from managers.generate_input import GenerateReqInput, GenerateReqItem, RequestError
+from managers.generate_input import GenerateReqInput, GenerateReqItem, RequestError, RequestLimits
 from managers.io_struct import (
     AbortReq,
     BatchStrOut,
@@ -29,6 +29,7 @@ from managers.io_struct import (
     TokenizedGenerateReqInput,
 )
 from managers.data_parallel_controller import merge_flushes, merge_loads
+from managers.prompt_tokenizer import Encoded, PromptTokenizer
 from managers.template_manager import TemplateManager
 from srt.constrained.base_grammar_backend import GrammarError, create_grammar_backend, grammar_key
 from srt.sampling.sampling_params import SamplingParams
@@ -42,6 +43,9 @@ ABORTED_BY_CLIENT = 499  # status of "Aborted by request." finishes: delivered, 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+# An aborted request keeps its rid until the scheduler's finish for it came back (a new request
+# with that rid would receive it), or for this long if that finish never comes.
+DRAIN_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -97,8 +101,9 @@ class _Prepared:
 
 @dataclass
 class ReqState:
-    """One rid in flight. `n` outputs (children `rid-i` when n > 1) land at flat indices
-    `index_base .. index_base + n - 1` of the call's results."""
+    """One rid in flight. `n` outputs land at flat indices `index_base .. index_base + n - 1` of
+    the call's results; n > 1 children are found by (`parent_rid`, `index`), never by their own
+    rid labels, so a client rid equal to a child's label (`rid-0`) is a different request."""
 
     rid: str
     item: GenerateReqItem
@@ -108,6 +113,7 @@ class ReqState:
     meta_extra: Dict[str, Any]
     created_time: float = field(default_factory=time.monotonic)
     finished: bool = False
+    released_time: Optional[float] = None  # consumer gone before the finish: draining until it comes
     finished_children: set = field(default_factory=set)
     progress: Dict[int, Tuple[int, float]] = field(default_factory=dict)  # child -> (tokens, time)
     logprob_cache: Dict[Tuple[int, str], list] = field(default_factory=dict)
@@ -133,13 +139,14 @@ class TokenizerManager:
         self.context_len = scheduler_info.context_len
         self.vocab_size = scheduler_info.vocab_size
         self.max_req_input_len = scheduler_info.max_req_input_len
+        self.limits = RequestLimits.from_scheduler_info(scheduler_info)
         self.rid_to_state: Dict[str, ReqState] = {}
+        self._draining: Dict[str, ReqState] = {}  # aborted rids whose finish has not come back
         self.metrics = TokenizerMetrics()
         self._pending: Dict[type, Deque[asyncio.Future]] = {FlushCacheReqOutput: deque(), GetLoadReqOutput: deque()}
         self._token_text: Dict[int, str] = {}
-        self._executor: Optional[ThreadPoolExecutor] = None
+        self.prompts = PromptTokenizer(tokenizer, self.context_len, self._flag("tokenizer_worker_threshold", 4096))
         self._grammar_backend: Any = None
-        self._worker_tokenizer: Any = None
 
     # ------------------------------------------------------------------ public API
     async def generate_request(self, obj: GenerateReqInput) -> AsyncIterator[Any]:
@@ -149,9 +156,13 @@ class TokenizerManager:
         Batch or n > 1: stream -> per-output updates carrying "index"; else one list of dicts.
         Bad input raises `RequestError` on the first iteration, before anything is sent.
         """
+        self._check_batch_size(obj)
+        self._check_input_ids_lengths(obj)
         items = obj.normalize()
-        prepared = [await self._prepare(item) for item in items]
-        self._check_rids([p.req.rid for p in prepared])
+        self._check_fan_out(items)
+        self._check_rids([item.rid for item in items])
+        prepared = await self._prepare_all(items)
+        self._check_rids([p.req.rid for p in prepared])  # again: others may have registered meanwhile
         sink = _Sink()
         states = self._register(prepared, sink)
         flat_single = obj.is_single and states[0].n == 1
@@ -174,6 +185,15 @@ class TokenizerManager:
         replies = await self._request_replies(GetLoadReqInput(), GetLoadReqOutput)
         return replies[0] if len(replies) == 1 else merge_loads(replies)
 
+    async def encode_prompt(self, text: str, add_special_tokens: bool = True) -> List[int]:
+        """A rendered prompt's ids (the chat endpoint), bounded like `/generate`'s texts: one that is
+        certainly over the context length is refused here, after tokenizing a prefix of it (with
+        --allow-auto-truncate, that prefix is returned and truncated later like any input)."""
+        enc = await self.prompts.encode(text, add_special_tokens)
+        if not enc.complete and not getattr(self.server_args, "allow_auto_truncate", False):
+            raise self._too_long(enc)
+        return enc.ids
+
     def chat_to_prompt(self, messages: Any, **template_kwargs: Any) -> str:
         """Apply the chat template (400 `RequestError` when there is none or the messages are bad)."""
         if self.template_manager is None:
@@ -184,6 +204,7 @@ class TokenizerManager:
         """A child process died: every in-flight request and admin call fails with 503 and `reason`."""
         finish = {"type": "abort", "message": reason, "status_code": 503}
         now = time.monotonic()
+        self._draining.clear()
         for state in list(self.rid_to_state.values()):
             for child in range(state.n):
                 self._deliver(state, child, "", [], finish, {}, now)
@@ -194,9 +215,7 @@ class TokenizerManager:
                     future.set_exception(RequestError(reason, 503, code="service_unavailable"))
 
     def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
-            self._executor = None
+        self.prompts.close()
 
     # ------------------------------------------------------------------ inbound messages
     def handle_batch_str_out(self, msg: BatchStrOut) -> None:
@@ -209,7 +228,10 @@ class TokenizerManager:
                 continue
             finish = msg.finished_reasons[i]
             # A refusal of an n > 1 request before its fan-out arrives under the parent rid.
-            children = range(state.n) if state.n > 1 and rid == state.rid else (child,)
+            children = range(state.n) if state.n > 1 and "parent_rid" not in meta else (child,)
+            if state.released_time is not None:
+                self._drain(state, children, finish)
+                continue
             for c in children:
                 self._deliver(state, c, msg.texts[i], msg.output_ids[i], finish, meta, now)
 
@@ -226,34 +248,87 @@ class TokenizerManager:
         if not future.done():  # a caller that timed out still consumes its own reply
             future.set_result(msg)
 
+    # ------------------------------------------------------------------ bounds of one request
+    def _check_batch_size(self, obj: GenerateReqInput) -> None:
+        """--max-batch-items, counted before the batch is normalized (cheap to refuse, not to walk)."""
+        count, limit = obj.num_prompts, self._flag("max_batch_items", 512)
+        if count > limit:
+            name = "text" if obj.text is not None else "input_ids"
+            raise RequestError(f"{name} holds {count} prompts, more than one request may carry ({limit}, "
+                               f"--max-batch-items={limit}). Send smaller batches or raise --max-batch-items.",
+                               400, code="invalid_request_error", param=name)
+
+    def _check_input_ids_lengths(self, obj: GenerateReqInput) -> None:
+        """An input_ids prompt at or over the context length is refused before its ids are walked
+        (millions of ids take a second of the event loop to check one by one)."""
+        ids = obj.input_ids
+        if obj.text is not None or not isinstance(ids, list) or getattr(self.server_args, "allow_auto_truncate", False):
+            return
+        for row in ids if ids and isinstance(ids[0], list) else [ids]:
+            if isinstance(row, list) and len(row) >= self.context_len:
+                raise self._too_long(Encoded(row))
+
+    def _check_fan_out(self, items: List[GenerateReqItem]) -> None:
+        """--max-n per prompt, and --max-batch-items over every output (prompts x n): the scheduler
+        runs one request per output. Malformed `n` values are left to SamplingParams.verify."""
+        max_n, limit = self._flag("max_n", 128), self._flag("max_batch_items", 512)
+        total = 0
+        for item in items:
+            n = item.sampling_params.get("n")
+            n = n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
+            if n > max_n:
+                raise RequestError(f"n={n} asks for more samples per prompt than this server allows ({max_n}, "
+                                   f"--max-n={max_n}). Lower n or raise --max-n.", 400,
+                                   code="invalid_request_error", param="n")
+            total += n
+        if total > limit:
+            raise RequestError(f"The request asks for {total} outputs ({len(items)} prompts, n summed over them), "
+                               f"more than one request may ask for ({limit}, --max-batch-items={limit}). Send "
+                               f"fewer prompts or a smaller n, or raise --max-batch-items.", 400,
+                               code="invalid_request_error", param="n")
+
+    def _flag(self, name: str, default: int) -> int:
+        value = getattr(self.server_args, name, None)
+        return default if value is None else int(value)
+
     # ------------------------------------------------------------------ preparing requests
-    async def _prepare(self, item: GenerateReqItem) -> _Prepared:
-        raw = item.sampling_params
+    async def _prepare_all(self, items: List[GenerateReqItem]) -> List[_Prepared]:
+        """Every item checked and tokenized; the first bad one refuses the whole call."""
+        params = [self._sampling_params(item) for item in items]
+        for sampling_params in params:
+            await self._check_grammar(sampling_params)
+        texts = [item.text for item in items if item.input_ids is None]
+        encoded = iter(await self.prompts.encode_many(texts))
+        return [self._prepare(item, sp, None if item.input_ids is not None else next(encoded))
+                for item, sp in zip(items, params)]
+
+    def _sampling_params(self, item: GenerateReqItem) -> SamplingParams:
         try:
-            sampling_params = SamplingParams.from_dict(raw)
+            sampling_params = SamplingParams.from_dict(item.sampling_params)
             sampling_params.verify(self.vocab_size)
         except ValueError as exc:
             raise RequestError(str(exc), 400, code="invalid_request_error", param="sampling_params") from None
-        await self._check_grammar(sampling_params)
         if item.data_parallel_rank is not None and item.data_parallel_rank >= self.dp_size:
             raise RequestError(f"data_parallel_rank must be in [0, {self.dp_size}) for this server (--dp-size "
                                f"{self.dp_size}), got {item.data_parallel_rank}.", 400,
                                code="invalid_request_error", param="data_parallel_rank")
+        return sampling_params
+
+    def _prepare(self, item: GenerateReqItem, sampling_params: SamplingParams, enc: Optional[Encoded]) -> _Prepared:
         if item.input_ids is not None:
-            ids = item.input_ids
-            self._check_token_ids(ids, "input_ids")
-        else:
-            ids = await self._tokenize(item.text)
-            if not ids:
-                raise RequestError("The text tokenized to zero tokens: send a non-empty prompt.", 400)
+            self._check_token_ids(item.input_ids, "input_ids")
+            enc = Encoded(item.input_ids)
+        elif not enc.ids:
+            raise RequestError("The text tokenized to zero tokens: send a non-empty prompt.", 400)
         if item.token_ids_logprob:
             self._check_token_ids(item.token_ids_logprob, "token_ids_logprob")
+        raw = item.sampling_params
+        explicit_max_new = isinstance(raw, dict) and raw.get("max_new_tokens") is not None
+        ids, meta_extra = self._check_context(enc, sampling_params, explicit_max_new, item.rid)
         if item.return_logprob and item.logprob_start_len is not None and item.logprob_start_len >= len(ids):
             raise RequestError(f"logprob_start_len ({item.logprob_start_len}) must be smaller than the input length "
                                f"({len(ids)} tokens); use -1 for output logprobs only.", 400,
                                code="invalid_request_error", param="logprob_start_len")
-        explicit_max_new = isinstance(raw, dict) and raw.get("max_new_tokens") is not None
-        ids, meta_extra = self._check_context(ids, sampling_params, explicit_max_new, item.rid)
         try:
             sampling_params.normalize(self.tokenizer)
         except ValueError as exc:
@@ -265,63 +340,79 @@ class TokenizerManager:
             stream=item.stream, extra_key=item.extra_key, data_parallel_rank=item.data_parallel_rank)
         return _Prepared(req, meta_extra, item)
 
-    def _check_context(self, ids: List[int], sp: SamplingParams, explicit_max_new: bool,
+    def _check_context(self, enc: Encoded, sp: SamplingParams, explicit_max_new: bool,
                        rid: str) -> Tuple[List[int], Dict[str, Any]]:
-        """SGLang's two front-end length checks; with --allow-auto-truncate they trim instead."""
-        C, L = self.context_len, len(ids)
+        """SGLang's two front-end length checks (with --allow-auto-truncate they trim instead), then
+        admission's max_new_tokens clamp, applied here so that it is reported."""
+        C, L, ids = self.context_len, enc.length, enc.ids
         meta: Dict[str, Any] = {}
         auto = bool(getattr(self.server_args, "allow_auto_truncate", False))
         if L >= C:
             if not auto:
-                raise RequestError(
-                    f"The input ({L} tokens) is longer than the model's context length ({C} tokens). "
-                    f"Use a shorter input, or start the server with --allow-auto-truncate to keep the "
-                    f"first {C - 1} tokens.", 400, code=CONTEXT_CODE)
-            logger.warning("Request %s: input of %d tokens truncated to %d (context length %d, "
-                           "--allow-auto-truncate).", rid, L, C - 1, C)
-            meta.update(truncated=True, truncated_input_tokens=L)  # what the client sent
+                raise self._too_long(enc)
+            logger.warning("Request %s: input of %s%d tokens truncated to %d (context length %d, "
+                           "--allow-auto-truncate).", rid, "" if enc.complete else "at least ", L, C - 1, C)
+            meta.update(truncated=True, truncated_input_tokens=L)  # what the client sent (a lower bound if cut)
             ids, L = ids[: C - 1], C - 1
         M = sp.max_new_tokens
-        if explicit_max_new and L + M >= C:
-            if not auto:
-                raise RequestError(
-                    f"Requested token count exceeds the model's maximum context length of {C} tokens. "
-                    f"You requested a total of {L + M} tokens: {L} tokens from the input messages and {M} "
-                    f"tokens for the completion. Please reduce the number of tokens in the input messages or "
-                    f"the completion to fit within the limit.", 400, code=CONTEXT_CODE)
-            sp.max_new_tokens = C - L - 1
-            sp.min_new_tokens = min(sp.min_new_tokens, sp.max_new_tokens)
-            logger.warning("Request %s: max_new_tokens %d clamped to %d (input %d tokens, context length %d, "
-                           "--allow-auto-truncate).", rid, M, sp.max_new_tokens, L, C)
-            meta["max_new_tokens_clamped"] = {"requested": M, "used": sp.max_new_tokens}
+        if explicit_max_new and L + M >= C and not auto:
+            raise RequestError(
+                f"Requested token count exceeds the model's maximum context length of {C} tokens. "
+                f"You requested a total of {L + M} tokens: {L} tokens from the input messages and {M} "
+                f"tokens for the completion. Please reduce the number of tokens in the input messages or "
+                f"the completion to fit within the limit.", 400, code=CONTEXT_CODE)
+        self._clamp_max_new_tokens(L, sp, meta, rid)
         return ids, meta
+
+    def _too_long(self, enc: Encoded) -> RequestError:
+        C = self.context_len
+        size = f"{enc.length} tokens" if enc.complete else f"at least {enc.length} tokens"
+        return RequestError(f"The input ({size}) is longer than the model's context length ({C} tokens). Use a "
+                            f"shorter input, or start the server with --allow-auto-truncate to keep the first "
+                            f"{C - 1} tokens.", 400, code=CONTEXT_CODE)
+
+    def _clamp_max_new_tokens(self, L: int, sp: SamplingParams, meta: Dict[str, Any], rid: str) -> None:
+        """Admission's clamp (`RequestLimits.max_new_tokens_for`), done here so meta_info reports it;
+        the scheduler's own clamp then changes nothing. Prompts admission refuses are left to it."""
+        limits = self.limits
+        if getattr(self.server_args, "allow_auto_truncate", False):
+            L = min(L, limits.max_req_input_len)  # what admission truncates to
+        elif L >= limits.max_req_input_len:
+            return
+        M, room = sp.max_new_tokens, limits.max_new_tokens_for(L)
+        if M <= room:
+            return
+        sp.max_new_tokens = room
+        sp.min_new_tokens = min(sp.min_new_tokens, room)
+        reason = (f"a request may hold at most {limits.max_total_tokens} tokens (prompt + completion), "
+                  f"set by {limits.bound()}")
+        logger.info("Request %s: max_new_tokens %d clamped to %d (input %d tokens; %s).", rid, M, room, L, reason)
+        meta["max_new_tokens_clamped"] = {"requested": M, "used": room, "reason": reason}
 
     def _check_token_ids(self, ids: List[int], name: str) -> None:
         V = self.vocab_size
+        if not ids or (min(ids) >= 0 and max(ids) < V):  # C-speed scan; the loop only to name the culprit
+            return
         for pos, tid in enumerate(ids):
             if not 0 <= tid < V:
                 raise RequestError(f"{name} contains token id {tid} at position {pos}, outside the vocabulary "
                                    f"[0, {V}).", 400, code="invalid_request_error", param=name)
 
     def _check_rids(self, rids: List[str]) -> None:
+        now = time.monotonic()
         for rid in rids:
             if rid in self.rid_to_state:
                 raise RequestError(f"Duplicate request id {rid!r}: a request with this rid is still running.",
                                    400, code="invalid_request_error", param="rid")
-
-    async def _tokenize(self, text: str) -> List[int]:
-        threshold = getattr(self.server_args, "tokenizer_worker_threshold", 4096)
-        if len(text) <= threshold:
-            return _encode(self.tokenizer, text)
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self._encode_in_worker, text)
-
-    def _encode_in_worker(self, text: str) -> List[int]:
-        # The worker owns a copy: a Rust tokenizer used from two threads at once can fail "Already borrowed".
-        if self._worker_tokenizer is None:
-            self._worker_tokenizer = copy.deepcopy(self.tokenizer)
-        return _encode(self._worker_tokenizer, text)
+            draining = self._draining.get(rid)
+            if draining is not None and now - draining.released_time < DRAIN_TIMEOUT_S:
+                raise RequestError(f"Duplicate request id {rid!r}: the request with this rid was aborted and the "
+                                   f"scheduler has not confirmed it yet; retry in a moment or use another rid.",
+                                   400, code="invalid_request_error", param="rid")
+            if draining is not None:
+                logger.warning("Request %s: no finish came back %.0f s after its abort; releasing the rid.",
+                               rid, DRAIN_TIMEOUT_S)
+                del self._draining[rid]
 
     # ------------------------------------------------------------------ state bookkeeping
     def _register(self, prepared: List[_Prepared], sink: _Sink) -> List[ReqState]:
@@ -337,7 +428,8 @@ class TokenizerManager:
         return states
 
     def _release(self, states: List[ReqState]) -> None:
-        """Drop the call's states; abort those the scheduler is still working on (consumer gone)."""
+        """Drop the call's states; abort those the scheduler is still working on (consumer gone):
+        their rids stay taken (`_draining`) until the scheduler's finish for them comes back."""
         for state in states:
             if self.rid_to_state.get(state.rid) is state:
                 del self.rid_to_state[state.rid]
@@ -346,15 +438,24 @@ class TokenizerManager:
             if not state.finished:
                 self.send(AbortReq(rid=state.rid))
                 self.metrics.num_aborted += 1
+                state.released_time = time.monotonic()
+                self._draining[state.rid] = state
+
+    def _drain(self, state: ReqState, children: Any, finish: Optional[Dict[str, Any]]) -> None:
+        """An update for an aborted request nobody waits for: count its finishes, free its rid."""
+        if finish is not None:
+            state.finished_children.update(children)
+        if len(state.finished_children) == state.n and self._draining.get(state.rid) is state:
+            del self._draining[state.rid]
 
     def _find_state(self, rid: str, meta: Dict[str, Any]) -> Tuple[Optional[ReqState], int]:
-        state = self.rid_to_state.get(rid)
-        if state is not None:
-            return state, 0
+        """The state an update belongs to: its own rid, or for an n > 1 child its parent's (the
+        child's rid is a label that another client's rid may equal)."""
         parent = meta.get("parent_rid")
-        state = self.rid_to_state.get(parent) if parent is not None else None
-        if state is None:
-            return None, 0
+        key = rid if parent is None else parent
+        state = self.rid_to_state.get(key) or self._draining.get(key)
+        if state is None or parent is None:
+            return state, 0
         index = meta.get("index", 0)
         if not 0 <= index < state.n:
             logger.warning("Dropping update for %s: child index %s outside n=%d.", rid, index, state.n)
@@ -368,7 +469,7 @@ class TokenizerManager:
         meta_out = {k: v for k, v in meta.items() if k not in ("parent_rid",)}
         meta_out.setdefault("id", state.rid if state.n == 1 else f"{state.rid}-{child}")
         meta_out.update(state.meta_extra)
-        meta_out["finish_reason"] = finish
+        meta_out["finish_reason"] = finish = _explain_clamp(finish, state.meta_extra)
         meta_out["e2e_latency"] = now - state.created_time
         self._add_logprob_texts(state, child, meta_out)
         out = {"text": text, "output_ids": list(output_ids), "meta_info": meta_out}
@@ -477,9 +578,13 @@ class TokenizerManager:
         return text
 
 
-def _encode(tokenizer: Any, text: str) -> List[int]:
-    # verbose=False: over-long inputs get our own context-length error, not transformers' warning.
-    return list(tokenizer.encode(text, add_special_tokens=True, verbose=False))
+def _explain_clamp(finish: Optional[Dict[str, Any]], meta_extra: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """A request that stopped at a clamped max_new_tokens says so in its finish reason."""
+    clamp = meta_extra.get("max_new_tokens_clamped")
+    if not finish or not clamp or finish.get("type") != "length" or finish.get("length") != clamp["used"]:
+        return finish
+    return {**finish, "message": f"Stopped at max_new_tokens={clamp['used']}, clamped from the requested "
+                                 f"{clamp['requested']}: {clamp['reason']}."}
 
 
 def _raise_if_refused(finish: Optional[Dict[str, Any]]) -> None:

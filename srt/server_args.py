@@ -9,6 +9,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence
 
+from srt.environ import envs
+
 logger = logging.getLogger(__name__)
 
 DTYPE_CHOICES = ("auto", "half", "float16", "bfloat16", "float", "float32")
@@ -60,6 +62,30 @@ def _cli_context_length(value: str) -> Optional[int]:
 def _is_host_port(text: str) -> bool:
     host, _, port = text.rpartition(":")
     return bool(host) and port.isdigit() and 0 < int(port) < 65536
+
+
+# --chunked-prefill-size when not given, per device kind (what --help promises).
+CHUNKED_PREFILL_DEFAULTS = {"cuda": 8192, "cpu": 2048}
+
+
+def effective_chunked_prefill_size(value: Optional[int], device: str) -> Optional[int]:
+    """The chunk size the scheduler uses: `value` when set (<= 0 disables chunking: None), else the
+    default of `device` ("cuda", "cuda:1", "cpu")."""
+    if value is None:
+        return CHUNKED_PREFILL_DEFAULTS.get(device.split(":")[0], CHUNKED_PREFILL_DEFAULTS["cpu"])
+    return value if value > 0 else None
+
+
+def read_api_key_file(path: str) -> str:
+    """The key in `path` (surrounding whitespace, e.g. the trailing newline, stripped)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            key = f.read().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"Cannot read --api-key-file {path!r}: {getattr(exc, 'strerror', None) or exc}.") from None
+    if not key:
+        raise ValueError(f"--api-key-file {path!r} is empty: write the API key into it.")
+    return key
 
 
 def _opt(default: Any, help: str, choices: Optional[Sequence[str]] = None, **extra: Any):
@@ -131,11 +157,18 @@ class ServerArgs:
     served_model_name: Optional[str] = _opt(None, "Model name reported by the API (default: the model path).")
     tokenizer_worker_threshold: int = _opt(
         4096, "Inputs longer than this many characters are tokenized off the event loop.")
+    max_batch_items: int = _opt(
+        512, "Most prompts one /generate or /v1/completions request may carry, and most outputs (prompts x n) "
+        "it may ask for; bigger requests get 400 before anything is tokenized.")
+    max_n: int = _opt(128, "Largest n (samples per prompt) a request may ask for; larger n gets 400.")
     # HTTP server.
     host: str = _opt("127.0.0.1", "Address the HTTP server listens on (0.0.0.0 for every interface).")
     port: int = _opt(30000, "Port the HTTP server listens on.")
     api_key: Optional[str] = _opt(
-        None, "Require 'Authorization: Bearer <key>' or 'x-api-key: <key>' on every route except /health.")
+        None, "Require 'Authorization: Bearer <key>' or 'x-api-key: <key>' on every route except /health. "
+        "A key on the command line is visible to every local user (/proc/<pid>/cmdline): prefer "
+        "--api-key-file or $SRT_API_KEY.")
+    api_key_file: Optional[str] = _opt(None, "Read the API key from this file (one line) instead of --api-key.")
     enable_metrics: bool = _opt(False, "Serve Prometheus metrics at /metrics.")
     log_level: Optional[str] = _opt(None, "Logging level of every process (default: $SRT_LOG_LEVEL or info).",
                                     LOG_LEVEL_CHOICES)
@@ -146,6 +179,9 @@ class ServerArgs:
         300.0, "Seconds the scheduler may go without answering (a stuck forward) before the server aborts "
         "with a message; 0 disables the watchdog.")
     max_request_body_mb: float = _opt(32.0, "Largest accepted request body in MiB; bigger bodies get 413.")
+    graceful_shutdown_timeout: float = _opt(
+        30.0, "On SIGTERM: refuse new requests (503) and let in-flight ones finish for this many seconds, then "
+        "abort the rest (503); a second signal, or Ctrl-C, aborts them at once.")
 
     def __post_init__(self) -> None:
         self.context_length = parse_context_length(self.context_length)
@@ -153,7 +189,19 @@ class ServerArgs:
             self.model_path = default_model_path()
         if self.tokenizer_path is None:
             self.tokenizer_path = self.model_path
+        self._resolve_api_key()
         self.check()
+
+    def _resolve_api_key(self) -> None:
+        """--api-key, else --api-key-file, else $SRT_API_KEY (giving both flags is an error unless
+        they agree, so re-creating the args from their own values works)."""
+        if self.api_key_file is not None:
+            key = read_api_key_file(self.api_key_file)
+            if self.api_key is not None and self.api_key != key:
+                raise ValueError("Both --api-key and --api-key-file were given: pass only one.")
+            self.api_key = key
+        elif self.api_key is None:
+            self.api_key = envs.API_KEY.get()
 
     def check(self) -> None:
         """Refuse bad values with the flag, the value and what is accepted."""
@@ -195,7 +243,7 @@ class ServerArgs:
             raise ValueError(f"--context-length must be >= 2, got {self.context_length}.")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}.")
-        for name in ("max_total_tokens", "max_running_requests", "max_queued_requests"):
+        for name in ("max_total_tokens", "max_running_requests", "max_queued_requests", "max_batch_items", "max_n"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}.")
@@ -211,6 +259,8 @@ class ServerArgs:
             raise ValueError(f"--watchdog-timeout must be >= 0 seconds (0 disables it), got {self.watchdog_timeout}.")
         if not self.max_request_body_mb > 0:
             raise ValueError(f"--max-request-body-mb must be > 0, got {self.max_request_body_mb}.")
+        if self.graceful_shutdown_timeout < 0:
+            raise ValueError(f"--graceful-shutdown-timeout must be >= 0 seconds, got {self.graceful_shutdown_timeout}.")
         if self.api_key is not None and not self.api_key:
             raise ValueError("--api-key must not be empty.")
 

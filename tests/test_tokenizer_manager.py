@@ -136,10 +136,13 @@ def test_auto_truncate_keeps_first_tokens_and_reports_it(tokenizer, llama_model)
     assert out["meta_info"]["truncated_input_tokens"] == C + 8
 
 
-def test_explicit_max_new_tokens_up_to_one_below_context_is_accepted(tokenizer, llama_model):
+def test_explicit_max_new_tokens_up_to_one_below_context_is_accepted_and_its_clamp_reported(tokenizer, llama_model):
+    """Admission lets a request hold max_req_len - 1 = C - 2 tokens: the front door clamps to that
+    (instead of the scheduler doing it silently) and says so (tests/test_limits_agree.py)."""
     tm = make_tm(tokenizer, llama_model)
-    run(collect(tm, input_ids=[7] * 20, sampling_params={"max_new_tokens": C - 1 - 20}))
-    assert tm.send.requests[0].sampling_params.max_new_tokens == C - 1 - 20
+    [out] = run(collect(tm, input_ids=[7] * 20, sampling_params={"max_new_tokens": C - 1 - 20}))
+    assert tm.send.requests[0].sampling_params.max_new_tokens == C - 2 - 20
+    assert out["meta_info"]["max_new_tokens_clamped"]["used"] == C - 2 - 20
 
 
 def test_explicit_max_new_tokens_reaching_context_is_refused_with_sglang_text(tokenizer, llama_model):
@@ -162,8 +165,9 @@ def test_auto_truncate_clamps_explicit_max_new_tokens(tokenizer, llama_model):
     tm = make_tm(tokenizer, llama_model, allow_auto_truncate=True)
     [out] = run(collect(tm, input_ids=[7] * 20, sampling_params={"max_new_tokens": 50, "min_new_tokens": 40}))
     sp = tm.send.requests[0].sampling_params
-    assert (sp.max_new_tokens, sp.min_new_tokens) == (C - 20 - 1, C - 20 - 1)
-    assert out["meta_info"]["max_new_tokens_clamped"] == {"requested": 50, "used": C - 20 - 1}
+    assert (sp.max_new_tokens, sp.min_new_tokens) == (C - 20 - 2, C - 20 - 2)  # admission's max_req_len - 1 - L
+    clamp = out["meta_info"]["max_new_tokens_clamped"]
+    assert (clamp["requested"], clamp["used"]) == (50, C - 20 - 2)
 
 
 # ---------------------------------------------------------------- other request validation
@@ -403,7 +407,8 @@ def test_batch_non_stream_yields_ordered_list(tokenizer, llama_model):
     tm = make_tm(tokenizer, llama_model)
     [outs] = run(collect(tm, input_ids=[[1, 2], [3, 4]], sampling_params=[{"max_new_tokens": 1}, {}]))
     assert [o["output_ids"] for o in outs] == [[1], [3, 4]]
-    assert [r.sampling_params.max_new_tokens for r in tm.send.requests] == [1, 128]
+    # The default 128 is clamped to what a 2-token prompt may generate here: max_req_len - 1 - 2.
+    assert [r.sampling_params.max_new_tokens for r in tm.send.requests] == [1, C - 2 - 2]
 
 
 def test_batch_stream_updates_carry_index(tokenizer, llama_model):
@@ -498,14 +503,14 @@ def test_text_is_tokenized_with_special_tokens_like_sglang(tokenizer, llama_mode
     tm = make_tm(tokenizer, llama_model)
     run(collect(tm, text="hello world"))
     assert tm.send.requests[0].input_ids == tokenizer.encode("hello world", add_special_tokens=True)
-    assert tm._executor is None
+    assert tm.prompts.executor is None
 
 
 def test_long_text_is_tokenized_off_the_event_loop(tokenizer, llama_model):
     tm = make_tm(tokenizer, llama_model, context_len=4096, tokenizer_worker_threshold=16)
     text = "hello world, " * 20
     run(collect(tm, text=text))
-    assert tm._executor is not None and tm._worker_tokenizer is not None
+    assert tm.prompts.executor is not None and tm.prompts.worker_tokenizer is not None
     assert tm.send.requests[0].input_ids == tokenizer.encode(text)
     tm.close()
 

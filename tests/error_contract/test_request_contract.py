@@ -43,8 +43,9 @@ def test_limits_are_reported_where_users_look(server):
     assert limits == (C, T, MAX_REQ_INPUT_LEN)
     assert info["kv_budget"]["total_bound"] == f"--max-total-tokens={T}"
     assert info["kv_budget"]["input_bound"] == f"KV pool of T={T} tokens"
-    # /v1/models reports the length a request can really use (the vLLM guide's first check).
-    assert server.get("/v1/models").json()["data"][0]["max_model_len"] == T
+    # /v1/models reports the length a request can really use (the vLLM guide's first check): the
+    # scheduler's input cap, so every prompt + completion within it runs as asked.
+    assert server.get("/v1/models").json()["data"][0]["max_model_len"] == MAX_REQ_INPUT_LEN
     assert server.get("/get_model_info").json()["context_length"] == C
     # And the start-up log said so, with the flags that raise it.
     assert (f"Requests longer than max_req_input_len={MAX_REQ_INPUT_LEN} tokens will be refused, below the model's "

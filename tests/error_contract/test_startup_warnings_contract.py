@@ -24,7 +24,8 @@ def server(llama_model, tmp_path_factory):
 
 def test_context_length_override_starts_with_a_warning_naming_both_lengths(server):
     assert server.get("/get_server_info").json()["context_length"] == REQUESTED
-    assert server.get("/v1/models").json()["data"][0]["max_model_len"] == REQUESTED
+    card = server.get("/v1/models").json()["data"][0]
+    assert card["context_length"] == REQUESTED and card["max_model_len"] == REQUESTED - 6  # max_req_input_len
     assert (f"WARNING srt.configs.model_config: --context-length {REQUESTED} exceeds the derived {DERIVED} "
             f"(max_position_embeddings); allowed by SRT_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN." in server.logs())
     # Positions past the derived length are served (the rotary table covers the requested length).

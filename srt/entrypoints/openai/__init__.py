@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from srt.entrypoints.openai.common import PromptTokenizer
 from srt.entrypoints.openai.serving_chat import handle_chat
 from srt.entrypoints.openai.serving_completions import handle_completions
 from srt.entrypoints.openai.serving_models import handle_get_model, handle_list_models
@@ -18,16 +17,7 @@ __all__ = ["register_openai_routes"]
 
 def register_openai_routes(app: web.Application) -> None:
     """Add the OpenAI routes to `app` (model ids may contain slashes: they are model paths)."""
-    prompt_tokenizer = PromptTokenizer()
-
-    async def chat(request: web.Request) -> web.StreamResponse:
-        return await handle_chat(request, prompt_tokenizer)
-
-    async def close_prompt_tokenizer(_app: web.Application) -> None:
-        prompt_tokenizer.close()
-
     app.router.add_post("/v1/completions", handle_completions)
-    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/chat/completions", handle_chat)
     app.router.add_get("/v1/models", handle_list_models)
     app.router.add_get("/v1/models/{model_id:.+}", handle_get_model)
-    app.on_cleanup.append(close_prompt_tokenizer)

@@ -3,12 +3,9 @@ first iteration), turning cumulative updates into deltas, usage, finish reasons,
 
 from __future__ import annotations
 
-import asyncio
-import copy
 import logging
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Dict, List, Optional, Tuple
 
@@ -202,36 +199,3 @@ class LegacyLogprobs:
     def to_json(self) -> Dict[str, Any]:
         return {"tokens": self.tokens, "token_logprobs": self.token_logprobs,
                 "top_logprobs": self.top_logprobs if self.top_k > 0 else None, "text_offset": self.text_offset}
-
-
-# ------------------------------------------------------------------ chat prompt tokenization
-class PromptTokenizer:
-    """Tokenizes rendered chat prompts without adding special tokens (the template already holds
-    BOS where the model wants it); long prompts go to a worker thread that owns a tokenizer copy."""
-
-    def __init__(self) -> None:
-        self._executor: Optional[ThreadPoolExecutor] = None
-        self._copies: Dict[int, Any] = {}
-
-    async def encode(self, tokenizer: Any, text: str, threshold: int) -> List[int]:
-        if len(text) <= threshold:
-            return _encode_plain(tokenizer, text)
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="openai-tokenizer")
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self._encode_copy, tokenizer, text)
-
-    def _encode_copy(self, tokenizer: Any, text: str) -> List[int]:
-        # A Rust tokenizer used from two threads at once can fail with "Already borrowed".
-        worker = self._copies.get(id(tokenizer))
-        if worker is None:
-            worker = self._copies[id(tokenizer)] = copy.deepcopy(tokenizer)
-        return _encode_plain(worker, text)
-
-    def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
-            self._executor = None
-
-
-def _encode_plain(tokenizer: Any, text: str) -> List[int]:
-    return list(tokenizer.encode(text, add_special_tokens=False, verbose=False))

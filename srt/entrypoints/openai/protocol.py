@@ -18,7 +18,6 @@ from srt.entrypoints.openai.fields import STREAM_OPTIONS_FIELDS
 from srt.sampling.sampling_params import IMPLEMENTED, DefaultOnly
 
 MAX_LOGPROBS = 20  # completions `logprobs` and chat `top_logprobs` upper bound
-MAX_N = 128
 
 
 def invalid(message: str, param: Optional[str] = None) -> RequestError:
@@ -161,7 +160,7 @@ def sampling_params(body: Mapping[str, Any], max_tokens: Optional[int]) -> Dict[
         if max_tokens is not None and min_tokens > max_tokens:
             raise invalid(f"min_tokens ({min_tokens}) must not exceed max_tokens ({max_tokens}).", "min_tokens")
         params["min_new_tokens"] = min_tokens
-    n = get_int(body, "n", 1, MAX_N)
+    n = get_int(body, "n", 1)  # the upper bound is the server's --max-n, checked with the batch
     if n is not None:
         params["n"] = n
     seed = get_int(body, "seed", -(1 << 63), (1 << 64) - 1)

@@ -11,7 +11,6 @@ from aiohttp import web
 from managers.generate_input import GenerateReqInput
 from srt.entrypoints.openai.common import (
     GenerationView,
-    PromptTokenizer,
     chat_logprobs,
     finish_fields,
     new_id,
@@ -35,8 +34,8 @@ ENDPOINT = "/v1/chat/completions"
 _RESERVED_TEMPLATE_KWARGS = ("messages", "add_generation_prompt", "tokenize", "chat_template", "tools")
 
 
-async def handle_chat(request: web.Request, prompt_tokenizer: PromptTokenizer) -> web.StreamResponse:
-    return await serve_plan(request, lambda body, state: ChatRequest.from_body(body, state, prompt_tokenizer))
+async def handle_chat(request: web.Request) -> web.StreamResponse:
+    return await serve_plan(request, ChatRequest.from_body)
 
 
 def _max_tokens(body: Dict[str, Any]) -> Optional[int]:
@@ -70,8 +69,7 @@ def _given_input_ids(body: Dict[str, Any]) -> Optional[List[int]]:
     return ids
 
 
-async def _render(messages: Any, continue_final: bool, kwargs: Dict[str, Any], state: Any,
-                  prompt_tokenizer: PromptTokenizer) -> List[int]:
+async def _render(messages: Any, continue_final: bool, kwargs: Dict[str, Any], state: Any) -> List[int]:
     """Messages -> chat template -> token ids. With `continue_final_message`, a final assistant
     message is not closed: its text follows the generation prompt and the model continues it (SGLang)."""
     prefix = ""
@@ -81,10 +79,10 @@ async def _render(messages: Any, continue_final: bool, kwargs: Dict[str, Any], s
             messages, prefix = messages[:-1], last["content"]
     tm = state.tokenizer_manager
     prompt = tm.chat_to_prompt(messages, add_generation_prompt=True, **kwargs)
-    threshold = getattr(state.server_args, "tokenizer_worker_threshold", 4096)
-    ids = await prompt_tokenizer.encode(tm.tokenizer, prompt, threshold)
+    # No special tokens: the template already holds BOS where the model wants it.
+    ids = await tm.encode_prompt(prompt, add_special_tokens=False)
     if prefix:
-        ids = ids + await prompt_tokenizer.encode(tm.tokenizer, prefix, threshold)
+        ids = ids + await tm.encode_prompt(prefix, add_special_tokens=False)
     if not ids:
         raise invalid("The messages rendered to an empty prompt.", "messages")
     return ids
@@ -106,7 +104,7 @@ class ChatRequest:
     parsers: Dict[int, ToolCallParser] = None  # streaming: one per choice
 
     @classmethod
-    async def from_body(cls, body: Dict[str, Any], state: Any, prompt_tokenizer: PromptTokenizer) -> "ChatRequest":
+    async def from_body(cls, body: Dict[str, Any], state: Any) -> "ChatRequest":
         check_fields(body, CHAT_FIELDS, ENDPOINT)
         check_model(body)
         stream = get_bool(body, "stream")
@@ -134,9 +132,10 @@ class ChatRequest:
         tm = state.tokenizer_manager
         ids = _given_input_ids(body)
         if ids is None:
-            ids = await _render(body["messages"], continue_final, kwargs, state, prompt_tokenizer)
-        if limit is None and len(ids) < tm.context_len - 1:
-            params["max_new_tokens"] = tm.context_len - len(ids) - 1  # OpenAI: the rest of the context
+            ids = await _render(body["messages"], continue_final, kwargs, state)
+        room = tm.limits.max_new_tokens_for(len(ids))
+        if limit is None and room > 0:
+            params["max_new_tokens"] = room  # OpenAI: the rest of what one request may hold
         response_id = rid or new_id("chatcmpl")  # SGLang answers with the request's own id
         obj = GenerateReqInput(
             input_ids=ids, sampling_params=params, rid=response_id, stream=stream, return_logprob=logprobs,

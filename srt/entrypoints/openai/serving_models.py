@@ -6,6 +6,7 @@ from typing import Any, Dict
 
 from aiohttp import web
 
+from managers.generate_input import RequestLimits
 from srt.entrypoints.http_errors import json_error
 from srt.entrypoints.openai.common import json_response
 from srt.entrypoints.openai.protocol import model_matches
@@ -14,12 +15,14 @@ OWNED_BY = "radix-serve"
 
 
 def model_card(state: Any) -> Dict[str, Any]:
-    """`max_model_len` is the longest request (prompt + completion) the server accepts; the context
-    length and the scheduler's input cap (bounded by the KV pool) are reported beside it."""
+    """`max_model_len` is the longest request (prompt + completion) served exactly as asked
+    (`RequestLimits`, the numbers admission applies); the context length and the scheduler's input
+    cap (bounded by the KV pool) are reported beside it."""
     info = state.scheduler_info
+    limits = RequestLimits.from_scheduler_info(info)
     return {"id": state.model_name, "object": "model", "created": int(state.started_time), "owned_by": OWNED_BY,
             "root": getattr(state.server_args, "model_path", None) or state.model_name, "parent": None,
-            "max_model_len": state.max_model_len, "context_length": info.context_len,
+            "max_model_len": limits.max_model_len, "context_length": info.context_len,
             "max_req_input_len": info.max_req_input_len}
 
 

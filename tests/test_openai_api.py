@@ -197,6 +197,23 @@ def test_completion_echo_with_prompt_logprobs(client: openai.OpenAI) -> None:
     assert lp.token_logprobs[0] is None and all(v <= 0 for v in lp.token_logprobs[1:])
 
 
+def test_completion_echo_with_prompt_top_logprobs(client: openai.OpenAI) -> None:
+    prompt = "Copyright notice and permission"
+    kwargs = dict(model=SERVED_NAME, prompt=prompt, max_tokens=2, echo=True, logprobs=2,
+                  extra_body={"ignore_eos": True}, **GREEDY)
+    resp = client.completions.create(**kwargs)
+    lp = resp.choices[0].logprobs
+    n_prompt = resp.usage.prompt_tokens
+    assert len(lp.tokens) == len(lp.top_logprobs) == n_prompt + resp.usage.completion_tokens
+    assert lp.top_logprobs[0] is None  # the first prompt token has no context
+    for logprob, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        assert 1 <= len(top) <= 2 and all(v <= 0 for v in top.values())
+        assert logprob <= max(top.values()) + 1e-5  # the top-k bound every token's own logprob
+    streamed = list(client.completions.create(stream=True, **kwargs))
+    tops = [t for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.top_logprobs]
+    assert tops == lp.top_logprobs
+
+
 def test_usage_cached_tokens_zero_first_then_positive_on_repeat(client: openai.OpenAI) -> None:
     kwargs = dict(model=SERVED_NAME, prompt="A fresh prompt about warranties and liability " * 3, max_tokens=4,
                   extra_body={"ignore_eos": True, **_salt()}, **GREEDY)

@@ -87,10 +87,6 @@ class CompletionRequest:
         include_usage = stream_options(body, stream)
         echo = get_bool(body, "echo")
         k = get_int(body, "logprobs", 0, MAX_LOGPROBS)
-        if echo and k:
-            raise invalid("echo with logprobs > 0 needs the top logprobs of prompt tokens, which this server does "
-                          "not compute yet; use logprobs: 0 with echo to get the prompt's token logprobs.",
-                          "logprobs")
         max_tokens = get_int(body, "max_tokens", 0)
         text, ids, num_prompts = _prompts(body.get("prompt"))
         params = sampling_params(body, DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens)
@@ -129,7 +125,8 @@ class CompletionRequest:
             logprobs = None
             if self.logprobs is not None:
                 lp = LegacyLogprobs(self.logprobs)
-                offset = lp.add(meta.get("input_token_logprobs") or [], None, 0, _ALL, 0, prompt=True) if self.echo else 0
+                offset = lp.add(meta.get("input_token_logprobs") or [], meta.get("input_top_logprobs"), 0, _ALL, 0,
+                                prompt=True) if self.echo else 0
                 lp.add(meta.get("output_token_logprobs") or [], meta.get("output_top_logprobs"), 0, _ALL, offset)
                 logprobs = lp.to_json()
             text = self._prompt_text(index) + out["text"] if self.echo else out["text"]
@@ -152,8 +149,8 @@ class CompletionRequest:
                 lp = LegacyLogprobs(self.logprobs)
                 if self.echo:
                     entries = meta.get("input_token_logprobs") or []
-                    progress.text_offset = lp.add(entries, None, progress.input_logprobs_sent, _ALL,
-                                                  progress.text_offset, prompt=True)
+                    progress.text_offset = lp.add(entries, meta.get("input_top_logprobs"), progress.input_logprobs_sent,
+                                                  _ALL, progress.text_offset, prompt=True)
                     progress.input_logprobs_sent = len(entries)
                 progress.text_offset = lp.add(meta.get("output_token_logprobs") or [], meta.get("output_top_logprobs"),
                                               start, end, progress.text_offset)

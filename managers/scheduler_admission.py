@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional
 
 from managers.finish_reason import FINISH_ABORT
+from managers.generate_input import RequestLimits
 from managers.io_struct import TokenizedGenerateReqInput
 from managers.req import Req
 from srt.sampling.sampling_params import SamplingParams
@@ -39,6 +40,8 @@ class AdmissionControl:
         self.C = runner.model_config.context_len
         self.max_req_len = getattr(runner, "max_req_len", min(self.C - 1, self.T - 1))
         self.max_req_input_len = getattr(runner, "max_req_input_len", self.max_req_len - 5)
+        # The same arithmetic the front door reports (/v1/models, meta_info clamps): one formula.
+        self.limits = RequestLimits(self.C, self.max_req_len, self.max_req_input_len, self.T)
         self.eos_token_ids = set(runner.model_config.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             self.eos_token_ids.add(int(tokenizer.eos_token_id))
@@ -108,7 +111,7 @@ class AdmissionControl:
                     f"of {P} tokens, but the KV pool holds {self.T} tokens ({self.T // P} pages). Raise "
                     f"--mem-fraction-static or --max-total-tokens, or use a shorter input.", 400)
         sp = req.sampling_params
-        sp.max_new_tokens = max(0, min(sp.max_new_tokens, self.max_req_len - L - 1))
+        sp.max_new_tokens = min(sp.max_new_tokens, self.limits.max_new_tokens_for(L))
         sp.min_new_tokens = min(sp.min_new_tokens, sp.max_new_tokens)
         if req.return_logprob and req.logprob_start_len >= L:
             req.logprob_start_len = L - 1

@@ -1,18 +1,29 @@
-"""Entry point of the scheduler process: model runner + scheduler loop over zmq sockets."""
+"""Entry point of the scheduler process: model runner + scheduler loop over zmq sockets.
+
+The loop marks each step on the rank's `Heartbeat`; a watchdog thread beats it, and when one step
+runs past --watchdog-timeout it dumps every thread's stack to the log, reports, and exits non-zero.
+"""
 
 from __future__ import annotations
 
+import copy
+import faulthandler
 import logging
+import os
 import signal
 import sys
+import threading
+import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional
 
 import setproctitle
 import zmq
 
 from managers.io_struct import SchedulerReady, StopSchedulerReq
+from srt.server_args import effective_chunked_prefill_size
+from srt.utils.heartbeat import Heartbeat
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +76,7 @@ class RankInfo:
     gpu_id: Optional[int] = None
     nnodes: int = 1
     input_ipc_name: Optional[str] = None  # this replica's socket (default: port_args' scheduler input)
+    heartbeat: Optional[Heartbeat] = None  # shared with the front (readiness, watchdog)
 
     @property
     def title(self) -> str:
@@ -83,15 +95,47 @@ class PeerLost(RuntimeError):
     """A collective with the other TP ranks failed: a rank (or its node) is gone."""
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when the launcher dies, even by SIGKILL (so a killed node
-    takes its ranks along and the other nodes notice at their next collective)."""
-    try:
-        import ctypes
+class SchedulerWatchdog:
+    """A daemon thread: beats `heartbeat` every `interval`; when one scheduler step has run for
+    `timeout` seconds (0 = never), it calls `on_stuck(message)` once, after dumping the stack of
+    every thread to `file`. It runs while the main thread is inside a forward (native code
+    releases the GIL), so a stuck forward is reported from inside the process with its stack."""
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
+    def __init__(self, heartbeat: Heartbeat, timeout: float, on_stuck: Callable[[str], None],
+                 interval: float = 0.5, file: Any = None):
+        self.heartbeat, self.timeout, self.on_stuck = heartbeat, timeout, on_stuck
+        self.interval = min(interval, timeout / 4) if timeout > 0 else interval
+        self.file = file
+        self._thread = threading.Thread(target=self._run, name="srt-scheduler-watchdog", daemon=True)
+
+    def start(self) -> "SchedulerWatchdog":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while True:
+            self.heartbeat.beat()
+            running = self.heartbeat.step_running_for()
+            if self.timeout > 0 and running > self.timeout:
+                message = (f"Scheduler watchdog: one scheduler step has run for {running:.0f} s "
+                           f"(--watchdog-timeout={self.timeout:g}); a forward pass is stuck. The stack of "
+                           f"every scheduler thread is in the log above.")
+                logger.error("%s Stacks:", message)
+                faulthandler.dump_traceback(file=self.file or sys.stderr, all_threads=True)
+                self.on_stuck(message)
+                return
+            time.sleep(self.interval)
+
+
+def _exit_stuck(ready_writer, message: str) -> None:
+    """The watchdog's verdict: tell the front (its last line) and end the process at once."""
+    try:
+        ready_writer.send(SchedulerReady(False, error=message))
+    except (OSError, ValueError):
         pass
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os._exit(1)
 
 
 def run_scheduler_process(server_args, port_args, ready_writer, rank: Optional[RankInfo] = None) -> None:
@@ -103,13 +147,14 @@ def run_scheduler_process(server_args, port_args, ready_writer, rank: Optional[R
     from srt.utils.logging_utils import configure_logging
 
     rank = rank or RankInfo()
-    _die_with_parent()
     setproctitle.setproctitle(rank.title)
     prefix = "scheduler" if rank.tp_size == 1 and rank.dp_rank is None else rank.title.split("::")[1]
     configure_logging(getattr(server_args, "log_level", None), prefix=prefix)
     stop = {"flag": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front process decides when to stop
+    heartbeat = rank.heartbeat or Heartbeat()
+    SchedulerWatchdog(heartbeat, server_args.watchdog_timeout, lambda why: _exit_stuck(ready_writer, why)).start()
     try:
         scheduler, channels = _build(server_args, port_args, rank)
     except Exception as e:  # root cause, not a generic "initialization failed"
@@ -123,7 +168,7 @@ def run_scheduler_process(server_args, port_args, ready_writer, rank: Optional[R
         context_len=runner.model_config.context_len, vocab_size=runner.model_config.vocab_size,
         kv_budget=runner.kv_budget.to_dict()))
     try:
-        _loop(scheduler, channels, rank, stop)
+        _loop(scheduler, channels, rank, stop, heartbeat)
     except Exception as e:
         text = str(e) if isinstance(e, PeerLost) else f"Scheduler crashed: {type(e).__name__}: {e}"
         logger.error("%s\n%s", text, traceback.format_exc())
@@ -135,11 +180,13 @@ def run_scheduler_process(server_args, port_args, ready_writer, rank: Optional[R
         channels.ctx.destroy(linger=0)
 
 
-def _loop(scheduler, channels, rank: RankInfo, stop) -> None:
+def _loop(scheduler, channels, rank: RankInfo, stop, heartbeat: Heartbeat) -> None:
     if rank.tp_size == 1:
         while not stop["flag"]:
             channels.block_ms = 20 if scheduler.is_idle() else 0
+            heartbeat.step_begin()
             scheduler.step()
+            heartbeat.step_end()
         return
     from srt.distributed.parallel_state import broadcast_object
 
@@ -156,7 +203,9 @@ def _loop(scheduler, channels, rank: RankInfo, stop) -> None:
 
     scheduler.recv = recv
     while not scheduler.stopped:  # every rank stops on rank 0's word (its SIGTERM) or a lost peer
+        heartbeat.step_begin()
         scheduler.step()
+        heartbeat.step_end()
 
 
 def _share_cpu_threads(server_args) -> None:
@@ -182,6 +231,11 @@ def _build(server_args, port_args, rank: RankInfo):
     _share_cpu_threads(server_args)
     runner = ModelRunner(server_args, tp_rank=rank.tp_rank, dist_init_method=rank.dist_init_method,
                          gpu_id=rank.gpu_id)
+    # The documented per-device default of --chunked-prefill-size, now that the device is known
+    # (a copy: the caller's args stay as given).
+    server_args = copy.copy(server_args)
+    server_args.chunked_prefill_size = effective_chunked_prefill_size(server_args.chunked_prefill_size,
+                                                                      runner.device)
     tokenizer = get_tokenizer(server_args.tokenizer_path, trust_remote_code=server_args.trust_remote_code)
     channels = ZmqChannels(port_args, rank.input_ipc_name) if rank.tp_rank == 0 else None
     send = channels.send if channels is not None else (lambda msg: None)

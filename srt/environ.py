@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 PREFIX = "SRT_"
 
@@ -20,14 +21,6 @@ class EnvBool:
         return raw.strip().lower() in ("1", "true", "yes", "on")
 
 
-class Envs:
-    # Allow --context-length above what config.json derives (RoPE models may produce NaN past it).
-    ALLOW_OVERWRITE_LONGER_CONTEXT_LEN = EnvBool(PREFIX + "ALLOW_OVERWRITE_LONGER_CONTEXT_LEN")
-
-
-envs = Envs()
-
-
 @dataclass(frozen=True)
 class EnvInt:
     name: str
@@ -38,6 +31,44 @@ class EnvInt:
         return self.default if raw in (None, "") else int(raw)
 
 
-# Test hook: retract one running request every N decode steps (0 = off), so retraction paths run
-# in tests and soak runs, not only when memory happens to run out.
-Envs.TEST_RETRACT_INTERVAL = EnvInt(PREFIX + "TEST_RETRACT_INTERVAL")
+@dataclass(frozen=True)
+class EnvFloat:
+    name: str
+    default: float = 0.0
+
+    def get(self) -> float:
+        raw = os.environ.get(self.name)
+        if raw in (None, ""):
+            return self.default
+        try:
+            return float(raw)
+        except ValueError:
+            raise ValueError(f"${self.name} must be a number of seconds, got {raw!r}.") from None
+
+
+@dataclass(frozen=True)
+class EnvStr:
+    name: str
+    default: Optional[str] = None
+
+    def get(self) -> Optional[str]:
+        raw = os.environ.get(self.name)
+        return self.default if raw in (None, "") else raw
+
+
+class Envs:
+    # Allow --context-length above what config.json derives (RoPE models may produce NaN past it).
+    ALLOW_OVERWRITE_LONGER_CONTEXT_LEN = EnvBool(PREFIX + "ALLOW_OVERWRITE_LONGER_CONTEXT_LEN")
+    # Test hook: retract one running request every N decode steps (0 = off), so retraction paths run
+    # in tests and soak runs, not only when memory happens to run out.
+    TEST_RETRACT_INTERVAL = EnvInt(PREFIX + "TEST_RETRACT_INTERVAL")
+    # The API key when neither --api-key nor --api-key-file is given (a key on the command line is
+    # readable by every local user in /proc/<pid>/cmdline; the environment is not).
+    API_KEY = EnvStr(PREFIX + "API_KEY")
+    # Readiness: a scheduler whose heartbeat is older than this many seconds, or whose current step
+    # has run longer, is "not answering": /ready and /health_generate fail fast, and a silent one
+    # (stopped, frozen) also gets new requests refused with 503 until it answers again.
+    SCHEDULER_STALE_S = EnvFloat(PREFIX + "SCHEDULER_STALE_S", 5.0)
+
+
+envs = Envs()

@@ -1,6 +1,9 @@
 """`launch_server` / `python -m srt.launch_server`: parse the flags, check the port, start the runtime,
 serve HTTP, warm up, and shut everything down on Ctrl-C / SIGTERM or when a runtime child dies.
 
+SIGTERM drains: new requests get 503 while in-flight ones finish for --graceful-shutdown-timeout
+seconds; what is left then (or at once on Ctrl-C or a second signal) fails with 503 and its reason.
+
 Only light modules are imported before the port check, so a taken port is reported in well under
 a second, before any model or torch import.
 """
@@ -71,6 +74,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     from srt.utils.logging_utils import configure_logging
 
     configure_logging(server_args.log_level)
+    if args.api_key:
+        logger.warning("--api-key on the command line is readable by every local user (/proc/<pid>/cmdline); "
+                       "prefer --api-key-file or $SRT_API_KEY.")
     if server_args.node_rank > 0:  # no HTTP server here: this node only runs its TP ranks
         sys.exit(run_worker_node(server_args))
     problem = port_problem(server_args.host, server_args.port)
@@ -183,9 +189,16 @@ async def _serve(frontend, server_args: ServerArgs) -> int:
                         model_name=server_args.served_model_name or server_args.model_path,
                         processes=frontend.procs)
     frontend.procs.watch(lambda reason: _on_child_death(frontend, state, loop, reason))
-    stop = asyncio.Event()
+    stop, abort_now, signals = asyncio.Event(), asyncio.Event(), []
+
+    def on_signal(sig: int) -> None:  # SIGTERM drains; Ctrl-C or a second signal aborts at once
+        signals.append(sig)
+        stop.set()
+        if sig == signal.SIGINT or len(signals) > 1:
+            abort_now.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig)
     runner = web.AppRunner(create_app(state), handler_cancellation=True, access_log=None, shutdown_timeout=3.0)
     await runner.setup()
     host, port = server_args.host, server_args.port
@@ -209,9 +222,9 @@ async def _serve(frontend, server_args: ServerArgs) -> int:
     await stop.wait()
     logger.info("Shutting down.")
     state.ready, state.shutting_down = False, True
+    await _drain(tm, server_args.graceful_shutdown_timeout, abort_now)
     if watchdog is not None:
         watchdog.cancel()
-    await tm.abort_request(abort_all=True)  # streams end now instead of holding the shutdown
     await runner.cleanup()
     await frontend.close()
     frontend.shutdown()
@@ -219,6 +232,34 @@ async def _serve(frontend, server_args: ServerArgs) -> int:
         say_fatal(error)
         return 1
     return 0
+
+
+async def _drain(tm, timeout: float, abort_now) -> None:
+    """Let in-flight requests finish for `timeout` seconds (sooner when `abort_now` is set), then
+    fail the rest with 503 and the reason, and have the scheduler drop them."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    waited = 0.0
+    if tm.rid_to_state and timeout > 0 and not abort_now.is_set():
+        logger.info("Draining %d in-flight request(s) for up to %g s (--graceful-shutdown-timeout); new requests "
+                    "get 503. Send the signal again to abort them now.", len(tm.rid_to_state), timeout)
+        start = loop.time()
+        while tm.rid_to_state and not abort_now.is_set() and loop.time() - start < timeout:
+            try:
+                await asyncio.wait_for(abort_now.wait(), 0.05)
+            except asyncio.TimeoutError:
+                pass
+        waited = loop.time() - start
+    if tm.rid_to_state:
+        why = (f"after waiting {waited:.0f} s (--graceful-shutdown-timeout={timeout:g})" if not abort_now.is_set()
+               else "without waiting further (Ctrl-C or a second signal)")
+        reason = f"The server is shutting down: the request was aborted {why}."
+        logger.warning("Aborting %d request(s) still in flight %s.", len(tm.rid_to_state), why)
+        tm.fail_all(reason)  # each consumer gets 503 and the reason: never a 200 with partial text
+    elif waited:
+        logger.info("Every in-flight request finished.")
+    await tm.abort_request(abort_all=True)  # the scheduler drops whatever it still runs
 
 
 async def _warm_up(tm, stop) -> Optional[str]:

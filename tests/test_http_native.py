@@ -181,7 +181,7 @@ def test_get_server_info_has_args_limits_version_and_load(server):
     assert info["api_key"] is None
 
 
-def test_flush_cache_refused_while_running_then_abort_by_rid_prefix(server):
+def test_flush_cache_refused_while_running_then_abort_by_rid(server):
     body = {"text": "A long story", "rid": "flush-test-abc", "stream": True, "sampling_params": LONG}
     with server.post("/generate", json=body, stream=True) as resp:
         lines = resp.iter_lines()
@@ -190,7 +190,7 @@ def test_flush_cache_refused_while_running_then_abort_by_rid_prefix(server):
         refused = server.post("/flush_cache")
         assert refused.status_code == 400
         assert "Cache not flushed" in refused.json()["error"]["message"]
-        assert server.post("/abort_request", json={"rid": "flush-test"}).status_code == 200
+        assert server.post("/abort_request", json={"rid": "flush-test-abc"}).status_code == 200  # exact rid
         rest = [line[6:] for line in lines if line]
     assert rest[-1] == b"[DONE]"
     last = orjson.loads(rest[-2])

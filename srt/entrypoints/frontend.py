@@ -30,6 +30,8 @@ from srt.utils.hf_transformers_utils import get_tokenizer
 
 logger = logging.getLogger(__name__)
 
+PROBE_GRACE_S = 10.0  # a stuck step is the scheduler's own watchdog's to report (with its stack)
+
 
 class RuntimeFrontend:
     """Runtime children + the sockets to them + a `TokenizerManager`, on one event loop.
@@ -126,19 +128,53 @@ class RuntimeFrontend:
         os._exit(code)
 
     async def watch_scheduler(self, timeout: float, on_stuck: Callable[[str], None]) -> None:
-        """Probe the scheduler with a load query; call `on_stuck(message)` once if it does not
-        answer within `timeout` seconds (its loop is stuck, e.g. in a forward). Runs until
-        cancelled or the scheduler is gone."""
-        tm = self.tokenizer_manager
-        interval = min(max(timeout / 4, 0.05), 5.0)
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                await asyncio.wait_for(tm.get_load(), timeout)
-            except asyncio.TimeoutError:
-                on_stuck(f"Scheduler watchdog: the scheduler did not answer for {timeout:g} s "
-                         f"(--watchdog-timeout={timeout:g}) with {len(tm.rid_to_state)} request(s) in flight; "
-                         f"a forward pass is stuck. Shutting the server down.")
-                return
-            except RequestError:  # a child died: the child watchdog reports it
-                return
+        """Call `on_stuck(message)` once when the scheduler stops answering for `timeout` seconds.
+        Runs until cancelled or the scheduler is gone.
+
+        Three ways it can stop answering: its process is frozen (stopped, or native code holding
+        the GIL): its heartbeat goes silent, seen here, with a stack dump requested; one step runs
+        too long: the scheduler's own watchdog dumps its stack and exits, and the child watchdog
+        reports that; replies stop arriving (the detokenizer or a socket): a load query that gets
+        no answer within `timeout` plus a grace for the scheduler's own report to come first."""
+        interval = min(max(timeout / 4, 0.05), 1.0)
+        probe_every = min(max(timeout / 4, 0.05), 5.0)
+        loop = asyncio.get_running_loop()
+        probe, probe_started = None, loop.time()
+        try:
+            while True:
+                await asyncio.sleep(interval)
+                silent = self.procs.silent_scheduler(timeout)
+                if silent:
+                    dumped = self.procs.dump_stacks(self.procs.heartbeats)
+                    on_stuck(self._watchdog_message(timeout, silent + (" Its stack is in the log above."
+                                                                       if dumped else "")))
+                    return
+                if probe is not None and probe.done():
+                    if probe.result() is None:  # a child died: the child watchdog reports it
+                        return
+                    if probe.result() is False:
+                        on_stuck(self._watchdog_message(timeout, "A load query got no reply: the detokenizer "
+                                                                 "or a socket is stuck."))
+                        return
+                    probe = None
+                if probe is None and loop.time() - probe_started >= probe_every:
+                    probe, probe_started = loop.create_task(self._probe(timeout + PROBE_GRACE_S)), loop.time()
+        finally:
+            if probe is not None:
+                probe.cancel()
+
+    def _watchdog_message(self, timeout: float, detail: str) -> str:
+        return (f"Scheduler watchdog: the scheduler did not answer for {timeout:g} s (--watchdog-timeout="
+                f"{timeout:g}) with {len(self.tokenizer_manager.rid_to_state)} request(s) in flight. {detail} "
+                f"Shutting the server down.")
+
+    async def _probe(self, timeout: float) -> Optional[bool]:
+        """True: the scheduler answered a load query within `timeout`; False: it did not; None: a
+        child died meanwhile."""
+        try:
+            await asyncio.wait_for(self.tokenizer_manager.get_load(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        except RequestError:
+            return None
+        return True

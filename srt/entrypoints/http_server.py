@@ -29,7 +29,9 @@ logger = logging.getLogger(__name__)
 STATE_KEY = "state"  # app[STATE_KEY] -> ServerState (a str key: other modules read app["state"])
 PUBLIC_PATHS = frozenset({"/health"})  # reachable without --api-key
 HEALTH_TIMEOUT_S = 20.0
+HEALTH_POLL_S = 0.25  # /health_generate re-checks the scheduler's heartbeat this often while it waits
 LOAD_TIMEOUT_S = 5.0
+RETRY_AFTER_S = 1  # the Retry-After of every 503 (queue full, shutting down, scheduler not answering)
 LOG_PREVIEW_CHARS = 2000
 
 
@@ -66,12 +68,20 @@ def json_response(data: Any, status: int = 200) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(data), content_type="application/json")
 
 
+SHUTTING_DOWN = "The server is shutting down: it accepts no new requests (in-flight requests are finishing)."
+
+
 def check_serving(state: ServerState) -> None:
-    """503 when the runtime cannot take requests (a child died, or shutting down)."""
+    """503 when the runtime cannot take requests: a child died, shutting down, or the scheduler
+    has not answered for a few seconds (new requests would only wait behind it)."""
     if state.dead_reason:
         raise RequestError(state.dead_reason, 503, code="service_unavailable")
     if state.shutting_down:
-        raise RequestError("The server is shutting down.", 503, code="service_unavailable")
+        raise RequestError(SHUTTING_DOWN, 503, code="service_unavailable")
+    silent = state.silent_scheduler()
+    if silent:
+        raise RequestError(f"{silent} New requests are refused until it answers again.", 503,
+                           code="service_unavailable")
 
 
 def _too_large(request: web.Request) -> RequestError:
@@ -144,6 +154,15 @@ def _http_exception_json(request: web.Request, exc: web.HTTPException) -> web.Re
     resp = json_error(exc.status, message)
     if "Allow" in exc.headers:
         resp.headers["Allow"] = exc.headers["Allow"]
+    return resp
+
+
+@web.middleware
+async def retry_after_middleware(request: web.Request, handler) -> web.StreamResponse:
+    """Every 503 (from any route, the OpenAI layer's included) says when to retry."""
+    resp = await handler(request)
+    if resp.status == 503 and not resp.prepared and "Retry-After" not in resp.headers:
+        resp.headers["Retry-After"] = str(RETRY_AFTER_S)
     return resp
 
 
@@ -231,23 +250,31 @@ async def _stream_sse(request: web.Request, outputs: AsyncIterator[Any], first: 
 
 # ---------------------------------------------------------------------- admin routes
 async def health(request: web.Request) -> web.Response:
-    """Liveness: the HTTP process answers (503 only once a runtime child has died)."""
+    """Liveness (GET or HEAD): the HTTP process answers. 503 only once a runtime child has died or
+    while shutting down (so routers stop sending); a slow or stopped scheduler is readiness's concern."""
     state: ServerState = request.app[STATE_KEY]
     if state.dead_reason:
         return json_error(503, state.dead_reason, code="service_unavailable")
+    if state.shutting_down:
+        return json_error(503, SHUTTING_DOWN, code="service_unavailable")
     return json_response({"status": "ok"})
 
 
 async def ready(request: web.Request) -> web.Response:
-    """SGLang's readiness probe: 200 once the warm-up request succeeded, else 503."""
+    """SGLang's readiness probe: 200 once the warm-up request succeeded and while the scheduler
+    answers (heartbeat and current step within $SRT_SCHEDULER_STALE_S), else 503 with the reason."""
     state: ServerState = request.app[STATE_KEY]
-    if state.ready and not state.dead_reason and not state.shutting_down:
+    reason = state.dead_reason or (SHUTTING_DOWN if state.shutting_down else None)
+    reason = reason or (None if state.ready else "The server is not ready (warm-up not finished).")
+    reason = reason or state.unready_scheduler()
+    if reason is None:
         return json_response({"status": "ready"})
-    return json_error(503, state.dead_reason or "The server is not ready.", code="service_unavailable")
+    return json_error(503, reason, code="service_unavailable")
 
 
 async def health_generate(request: web.Request) -> web.Response:
-    """Readiness: a real one-token generation through the scheduler."""
+    """Readiness: a real one-token generation through the scheduler. Fails fast (503) when the
+    scheduler has not answered for $SRT_SCHEDULER_STALE_S seconds, before or while it waits."""
     state: ServerState = request.app[STATE_KEY]
     check_serving(state)
     if not state.ready:
@@ -255,10 +282,13 @@ async def health_generate(request: web.Request) -> web.Response:
     procs = state.processes
     if procs is not None and not procs.alive():
         return json_error(503, "A runtime process is not alive.", code="service_unavailable")
+    stuck = state.unready_scheduler()
+    if stuck:
+        return json_error(503, stuck, code="service_unavailable")
     obj = GenerateReqInput(input_ids=[0], rid=f"HEALTH_CHECK_{uuid.uuid4().hex}",
                            sampling_params={"max_new_tokens": 1, "temperature": 0})
     try:
-        result = await asyncio.wait_for(_final(state, obj), HEALTH_TIMEOUT_S)
+        result = await _final_while_answering(state, obj, HEALTH_TIMEOUT_S)
     except asyncio.TimeoutError:
         return json_error(503, f"The health-check generation did not finish within {HEALTH_TIMEOUT_S:g} s.",
                           code="service_unavailable")
@@ -272,6 +302,26 @@ async def _final(state: ServerState, obj: GenerateReqInput) -> Any:
     async for out in state.tokenizer_manager.generate_request(obj):
         last = out
     return last
+
+
+async def _final_while_answering(state: ServerState, obj: GenerateReqInput, timeout: float) -> Any:
+    """`_final`, given up (and aborted) after `timeout` or as soon as the scheduler stops answering."""
+    loop = asyncio.get_running_loop()
+    task = loop.create_task(_final(state, obj))
+    deadline = loop.time() + timeout
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=min(HEALTH_POLL_S, max(deadline - loop.time(), 0)))
+            if done:
+                return task.result()
+            reason = state.unready_scheduler()
+            if reason:
+                raise RequestError(reason, 503, code="service_unavailable")
+            if loop.time() >= deadline:
+                raise asyncio.TimeoutError
+    finally:
+        if not task.done():
+            task.cancel()
 
 
 async def get_model_info(request: web.Request) -> web.Response:
@@ -302,9 +352,18 @@ async def get_server_info(request: web.Request) -> web.Response:
         max_req_len=info.max_req_len, max_running_requests=info.max_running_requests,
         context_length=info.context_len, max_model_len=state.max_model_len, vocab_size=info.vocab_size,
         kv_budget=info.kv_budget, served_model_name=state.model_name, version=version(), ready=state.ready,
+        shutting_down=state.shutting_down, chunked_prefill_size=_effective_chunk(state),
         uptime_s=time.time() - state.started_time, num_front_end_requests=len(tm.rid_to_state),
         pids=state.processes.pids() if state.processes is not None else {}, load=await _load(state))
     return json_response(body)
+
+
+def _effective_chunk(state: ServerState) -> Optional[int]:
+    """--chunked-prefill-size as the scheduler applies it (its default depends on the device)."""
+    from srt.server_args import effective_chunked_prefill_size
+
+    device = (state.scheduler_info.kv_budget or {}).get("device_kind") or state.server_args.device
+    return effective_chunked_prefill_size(state.server_args.chunked_prefill_size, device)
 
 
 async def _load(state: ServerState) -> Optional[Dict[str, Any]]:
@@ -369,13 +428,13 @@ async def abort_request(request: web.Request) -> web.Response:
 def create_app(state: ServerState) -> web.Application:
     """The application with every route; `state` is stored at `app["state"]`."""
     app = web.Application(
-        middlewares=[log_middleware, error_middleware, auth_middleware, body_cap_middleware],
+        middlewares=[log_middleware, retry_after_middleware, error_middleware, auth_middleware, body_cap_middleware],
         client_max_size=_body_cap(state))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", getattr(web, "NotAppKeyWarning", Warning))
         app[STATE_KEY] = state
     app.router.add_post("/generate", generate)
-    app.router.add_route("GET", "/health", health)
+    app.router.add_get("/health", health)  # HEAD too (load balancers probe with it)
     app.router.add_route("POST", "/health", health)
     app.router.add_get("/health_generate", health_generate)
     app.router.add_get("/ready", ready)

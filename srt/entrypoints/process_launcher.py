@@ -1,7 +1,9 @@
 """Spawn the scheduler and detokenizer processes, wait for their handshake, watch them, stop them.
 
 A child that fails to start or dies later is reported with its own error text (sent over its
-ready pipe), never a generic "initialization failed".
+ready pipe), never a generic "initialization failed". Every child runs under a `ChildGuard`, so it
+exits, and removes the socket folder, when this process dies, even by SIGKILL. Each scheduler rank
+writes a `Heartbeat` that readiness and the watchdog read.
 """
 
 from __future__ import annotations
@@ -14,12 +16,15 @@ import signal
 import tempfile
 import sys
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Callable, Dict, List, Optional
 
 from managers.io_struct import SchedulerReady
+from srt.utils.heartbeat import Heartbeat
+from srt.utils.process_guard import STACK_DUMP_SIGNAL, ChildGuard, describe_state, process_state, run_child
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +112,7 @@ class RuntimeProcesses:
         self.procs: Dict[str, mp.Process] = {}
         self.pipes: Dict[str, object] = {}
         self.scheduler_info: Optional[SchedulerReady] = None
+        self.heartbeats: Dict[str, Heartbeat] = {}  # scheduler ranks only
         self._stopping = False
         self._watcher: Optional[threading.Thread] = None
 
@@ -129,11 +135,13 @@ class RuntimeProcesses:
             else:
                 init = f"tcp://127.0.0.1:{_free_port()}"
             for r in range(node * per_node, (node + 1) * per_node):
+                name = scheduler_name(r, d)
+                self.heartbeats[name] = Heartbeat(mp.get_context("spawn"))
                 rank = RankInfo(tp_rank=r, tp_size=tp, dp_rank=d if dp > 1 else None,
                                 dist_init_method=init if tp > 1 else None,
                                 gpu_id=d * tp + r - node * per_node if tp * dp > 1 else None,
-                                nnodes=nnodes, input_ipc_name=inputs[d])
-                self._spawn(scheduler_name(r, d), run_scheduler_process, (args, self.port_args), (rank,))
+                                nnodes=nnodes, input_ipc_name=inputs[d], heartbeat=self.heartbeats[name])
+                self._spawn(name, run_scheduler_process, (args, self.port_args), (rank,))
         if node == 0:
             self._spawn("Detokenizer", run_detokenizer_process, (args, self.port_args), ())
         try:
@@ -147,7 +155,8 @@ class RuntimeProcesses:
     def _spawn(self, name: str, target, head: tuple, tail: tuple) -> None:
         ctx = mp.get_context("spawn")
         reader, writer = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=target, args=(*head, writer, *tail), name=name, daemon=True)
+        guard = ChildGuard(os.getpid(), self.port_args.tmpdir)  # dies with us, removing the socket folder
+        proc = ctx.Process(target=run_child, args=(guard, target, *head, writer, *tail), name=name, daemon=True)
         with _without_main_reimport():
             proc.start()
         writer.close()
@@ -208,14 +217,52 @@ class RuntimeProcesses:
     def alive(self) -> bool:
         return bool(self.procs) and all(p.is_alive() for p in self.procs.values())
 
+    def silent_scheduler(self, stale_s: float) -> Optional[str]:
+        """Why a scheduler rank counts as not answering (its heartbeat is older than `stale_s`:
+        the process is stopped or frozen), or None."""
+        for name, beat in self.heartbeats.items():
+            silent = beat.silent_for()
+            if silent > stale_s and name in self.procs:
+                pid = self.procs[name].pid
+                return f"{name} process (pid {pid}) has not answered for {silent:.0f} s: it {describe_state(pid)}."
+        return None
+
+    def stuck_scheduler(self, stale_s: float) -> Optional[str]:
+        """Why a scheduler rank counts as busy (one step has run longer than `stale_s`), or None."""
+        for name, beat in self.heartbeats.items():
+            running = beat.step_running_for()
+            if running > stale_s:
+                return f"{name} has not answered for {running:.0f} s: one step (a forward pass) is still running."
+        return None
+
+    def dump_stacks(self, names) -> bool:
+        """Ask the running ones of these children for the stack of every thread (faulthandler, to
+        the shared stderr); True when any was asked (a stopped process cannot answer)."""
+        asked = False
+        for name in names:
+            proc = self.procs.get(name)
+            if proc is None or not proc.is_alive() or process_state(proc.pid) in ("T", "t", None):
+                continue
+            try:
+                os.kill(proc.pid, STACK_DUMP_SIGNAL)
+                asked = True
+            except ProcessLookupError:
+                pass
+        if asked:
+            time.sleep(0.3)  # faulthandler writes from the child's signal handler: let it land first
+        return asked
+
     def pids(self) -> Dict[str, int]:
         return {n: p.pid for n, p in self.procs.items()}
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        """SIGTERM, wait, SIGKILL; remove the socket directory. Idempotent."""
+        """SIGTERM, wait, SIGKILL (at once for a stopped process, which cannot act on SIGTERM);
+        remove the socket directory. Idempotent."""
         self._stopping = True
         for proc in self.procs.values():
-            if proc.is_alive():
+            if proc.is_alive() and process_state(proc.pid) in ("T", "t"):
+                os.kill(proc.pid, signal.SIGKILL)
+            elif proc.is_alive():
                 proc.terminate()
         for proc in self.procs.values():
             proc.join(timeout)

@@ -1,0 +1,149 @@
+"""SIGTERM drains: new requests get 503 at once, in-flight ones may finish for
+--graceful-shutdown-timeout seconds, the rest (or all of them on a second signal) fail with 503 and
+the reason, on /generate and the OpenAI routes alike, never a 200 with partial text."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from server_utils import ServerHandle, sse_events, start_server
+from srt.launch_server import _drain
+
+LONG = {"max_new_tokens": 1500, "temperature": 0, "ignore_eos": True}  # many seconds on CPU
+
+
+def wait_in_flight(handle: ServerHandle, n: int, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while handle.get("/get_server_info").json()["num_front_end_requests"] < n:
+        assert time.monotonic() < deadline, f"fewer than {n} requests in flight"
+        time.sleep(0.02)
+
+
+def stream_events(handle: ServerHandle, body: dict) -> list:
+    resp = handle.post("/generate", json={**body, "stream": True}, stream=True)
+    return [e for e in sse_events(resp)]
+
+
+# ---------------------------------------------------------------------- in-process: the drain itself
+class FakeTokenizerManager:
+    def __init__(self, rids):
+        self.rid_to_state = {rid: object() for rid in rids}
+        self.failed, self.aborted_all = None, False
+
+    def fail_all(self, reason: str) -> None:
+        self.failed = reason
+        self.rid_to_state.clear()
+
+    async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        self.aborted_all = abort_all
+
+
+def test_drain_waits_for_in_flight_requests_to_finish():
+    tm = FakeTokenizerManager(["a"])
+
+    async def scenario() -> float:
+        asyncio.get_running_loop().call_later(0.3, tm.rid_to_state.clear)  # the request finishes
+        t0 = time.monotonic()
+        await _drain(tm, 10.0, asyncio.Event())
+        return time.monotonic() - t0
+
+    took = asyncio.run(scenario())
+    assert 0.25 < took < 2.0 and tm.failed is None and tm.aborted_all
+
+
+def test_drain_fails_what_is_left_after_the_timeout_with_the_reason():
+    tm = FakeTokenizerManager(["a", "b"])
+    took = time.monotonic()
+    asyncio.run(_drain(tm, 0.3, asyncio.Event()))
+    took = time.monotonic() - took
+    assert 0.25 < took < 2.0
+    assert tm.failed.startswith("The server is shutting down: the request was aborted after waiting")
+    assert "--graceful-shutdown-timeout=0.3" in tm.failed and tm.aborted_all
+
+
+def test_drain_stops_waiting_at_a_second_signal():
+    tm = FakeTokenizerManager(["a"])
+
+    async def scenario() -> float:
+        abort_now = asyncio.Event()
+        asyncio.get_running_loop().call_later(0.2, abort_now.set)
+        t0 = time.monotonic()
+        await _drain(tm, 30.0, abort_now)
+        return time.monotonic() - t0
+
+    assert asyncio.run(scenario()) < 2.0
+    assert "without waiting" in tm.failed
+
+
+# ---------------------------------------------------------------------- a real server
+@pytest.fixture
+def server(llama_model):
+    handles = []
+
+    def start(*args: str) -> ServerHandle:
+        handles.append(start_server(llama_model, "--skip-server-warmup", *args))
+        return handles[-1]
+
+    yield start
+    for handle in handles:
+        handle.stop(5)
+
+
+def test_requests_left_after_the_graceful_timeout_get_503_on_every_route(server):
+    handle = server("--graceful-shutdown-timeout", "1")
+    calls = {
+        "generate": lambda: handle.post("/generate", json={"text": "Native", "sampling_params": LONG}),
+        "completions": lambda: handle.post("/v1/completions", json={
+            "model": "m", "prompt": "Completion", "max_tokens": 1500, "temperature": 0, "ignore_eos": True}),
+        "chat": lambda: handle.post("/v1/chat/completions", json={
+            "model": "m", "messages": [{"role": "user", "content": "Chat"}], "max_tokens": 1500, "temperature": 0,
+            "ignore_eos": True}),
+        "stream": lambda: stream_events(handle, {"text": "Stream", "sampling_params": LONG}),
+    }
+    with ThreadPoolExecutor(len(calls)) as pool:
+        futures = {name: pool.submit(call) for name, call in calls.items()}
+        wait_in_flight(handle, len(calls))
+        t0 = time.monotonic()
+        handle.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        refused = handle.post("/generate", json={"text": "Late", "sampling_params": {"max_new_tokens": 2}})
+        results = {name: f.result() for name, f in futures.items()}
+        took = time.monotonic() - t0
+    assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
+    assert refused.json()["error"]["message"].startswith("The server is shutting down: it accepts no new requests")
+    for name in ("generate", "completions", "chat"):
+        resp = results[name]
+        assert resp.status_code == 503, (name, resp.status_code, resp.text[:300])
+        error = resp.json()["error"]
+        assert error["message"].startswith("The server is shutting down: the request was aborted after waiting")
+        assert "--graceful-shutdown-timeout=1" in error["message"] and error["type"] == "service_unavailable"
+    events = results["stream"]
+    assert events[-1] == "[DONE]"
+    last = json.loads(events[-2])
+    assert last["error"]["status_code"] == 503 and "shutting down" in last["error"]["message"]
+    assert 0.9 < took < 15, took
+    assert handle.proc.wait(20) == 0
+
+
+def test_a_second_sigterm_aborts_in_flight_requests_at_once(server):
+    handle = server()  # --graceful-shutdown-timeout 30 (the default)
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(handle.post, "/generate", json={"text": "Slow", "sampling_params": LONG})
+        wait_in_flight(handle, 1)
+        handle.proc.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        assert not future.done()  # draining: the request is still running
+        t0 = time.monotonic()
+        handle.proc.send_signal(signal.SIGTERM)
+        resp = future.result(timeout=10)
+        took = time.monotonic() - t0
+    assert resp.status_code == 503 and took < 5, (resp.status_code, took)
+    assert "without waiting" in resp.json()["error"]["message"]
+    assert handle.proc.wait(20) == 0
+

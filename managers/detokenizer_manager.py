@@ -13,6 +13,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple
 
+from managers import ipc
 from managers.io_struct import BatchStrOut, BatchTokenIDOut, DecodeParams
 
 logger = logging.getLogger(__name__)
@@ -278,7 +279,12 @@ def run_detokenizer_process(server_args: Any, port_args: Any, ready_writer: Any 
                     logger.warning("Detokenizer exits: its parent process %d is gone.", parent_pid)
                     break
                 continue
-            send_socket.send_pyobj(manager.handle(recv_socket.recv_pyobj()))
+            try:
+                msg = ipc.recv(recv_socket)
+            except ipc.IPCDecodeError as exc:  # a frame that is not ours: dropped, never executed
+                logger.warning("Detokenizer dropped a message: %s", exc)
+                continue
+            ipc.send(send_socket, manager.handle(msg))
     except Exception as e:
         logger.exception("Detokenizer failed")
         _report(ready_writer, {"ok": False, "error": f"Detokenizer failed: {type(e).__name__}: {e}"})

@@ -53,3 +53,8 @@ class FINISH_ABORT(BaseFinishReason):
 
 
 FinishReason = Union[FINISH_LENGTH, FINISH_MATCHED_TOKEN, FINISH_MATCHED_STR, FINISH_ABORT]
+
+
+def is_queue_full(finish: Dict[str, Any]) -> bool:
+    """A 503 for a full queue (a finish's JSON) is the server shedding load, not an aborted request."""
+    return finish.get("status_code") == 503 and str(finish.get("message", "")).startswith("The request queue is full.")

@@ -60,6 +60,7 @@ class Scheduler:
         self.stopped = False  # set by StopSchedulerReq (TP: rank 0 tells the other ranks)
         self.dp_rank = 0  # which data-parallel replica this is (set by the scheduler process)
         self.stats = dict(prefix_queried_tokens=0, prefix_hit_tokens=0, num_retractions=0, num_aborts=0,
+                          num_queue_full=0,
                           generated_tokens=0, num_requests=0)
         self._last_decode_log = (time.perf_counter(), 0)
 
@@ -108,7 +109,8 @@ class Scheduler:
     def handle_generate_request(self, msg: TokenizedGenerateReqInput) -> None:
         decision = self.admission.admit(msg, self.num_queued)
         if decision.refused is not None:
-            self.stats["num_aborts"] += 1
+            overload = getattr(decision.refused.finished_reason, "status_code", None) == 503
+            self.stats["num_queue_full" if overload else "num_aborts"] += 1  # a full queue is load, not an abort
             self._stream([decision.refused])
             return
         self.waiting_queue.extend(decision.queue)

@@ -21,6 +21,7 @@ from typing import Any, Callable, List, Optional
 import setproctitle
 import zmq
 
+from managers import ipc
 from managers.io_struct import SchedulerReady, StopSchedulerReq
 from srt.server_args import effective_chunked_prefill_size
 from srt.utils.heartbeat import Heartbeat
@@ -46,12 +47,14 @@ class ZmqChannels:
             return out
         while True:
             try:
-                out.append(self.pull.recv_pyobj(zmq.NOBLOCK))
+                out.append(ipc.recv(self.pull, zmq.NOBLOCK))
             except zmq.Again:
                 return out
+            except ipc.IPCDecodeError as exc:  # a frame that is not ours: dropped, never executed
+                logger.warning("Scheduler dropped a message: %s", exc)
 
     def send(self, msg: Any) -> None:
-        self.push.send_pyobj(msg)
+        ipc.send(self.push, msg)
 
 
 def describe_startup_error(e: BaseException) -> str:

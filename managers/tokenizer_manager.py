@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Deque, Dict, List, Optional, Tuple
 
+from managers.finish_reason import is_queue_full
 from managers.generate_input import GenerateReqInput, GenerateReqItem, RequestError, RequestLimits
 from managers.io_struct import (
     AbortReq,
@@ -481,7 +482,7 @@ class TokenizerManager:
         state.finished_children.add(child)
         m = self.metrics
         m.num_finished += 1
-        m.num_aborted += finish.get("type") == "abort"
+        m.num_aborted += finish.get("type") == "abort" and not is_queue_full(finish)
         m.prompt_tokens += int(meta.get("prompt_tokens", 0))
         m.generation_tokens += int(meta.get("completion_tokens", len(output_ids)))
         m.cached_tokens += int(meta.get("cached_tokens", 0))

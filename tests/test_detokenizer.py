@@ -10,6 +10,8 @@ import pytest
 import zmq
 from transformers import AutoTokenizer
 
+from managers import ipc
+
 from managers.detokenizer_manager import DetokenizerManager, run_detokenizer_process, stop_safe_len
 from managers.io_struct import (
     BatchStrOut,
@@ -235,7 +237,7 @@ def test_stop_safe_len(text, start, expected):
 
 def _recv(socket: zmq.Socket, timeout_ms: int):
     assert socket.poll(timeout_ms), "no reply from the detokenizer process"
-    return socket.recv_pyobj()
+    return ipc.recv(socket)
 
 
 def test_detokenizer_process_round_trip_and_sigterm(llama_model, llama_tokenizer, tmp_path):
@@ -255,8 +257,9 @@ def test_detokenizer_process_round_trip_and_sigterm(llama_model, llama_tokenizer
         assert reader.recv() == {"ok": True}
         to_detok = zctx.socket(zmq.PUSH)
         to_detok.connect(port_args.detokenizer_ipc_name)
-        to_detok.send_pyobj(token_out(["r"], [encode(llama_tokenizer, "hi 你好")], [LENGTH]))
-        to_detok.send_pyobj(FlushCacheReqOutput(success=True))
+        to_detok.send_pyobj(FlushCacheReqOutput(success=True))  # a pickle: dropped, never unpickled
+        ipc.send(to_detok, token_out(["r"], [encode(llama_tokenizer, "hi 你好")], [LENGTH]))
+        ipc.send(to_detok, FlushCacheReqOutput(success=True))
 
         out = _recv(from_detok, 5000)
         assert isinstance(out, BatchStrOut) and out.rids == ["r"] and out.texts == ["hi 你好"]

@@ -163,9 +163,6 @@ def test_request_stopped_at_the_kv_pool_ceiling_says_so(server):
     assert "KV cache pool (256 tokens" in meta["finish_reason"]["message"]
 
 
-@pytest.mark.xfail(strict=True, reason="ServerState.max_model_len (srt/entrypoints/server_state.py, not this "
-                                       "change's file) still says min(C, max_req_len + 1): it should return "
-                                       "RequestLimits.from_scheduler_info(self.scheduler_info).max_model_len")
 def test_every_endpoint_reports_the_same_max_model_len(server):
     card = server.get("/v1/models").json()["data"][0]["max_model_len"]
     assert server.get("/get_model_info").json()["max_model_len"] == card

@@ -257,8 +257,6 @@ def test_queue_full_503_carries_retry_after_on_native_and_openai_routes(limited)
         assert resp.json()["error"]["message"].startswith("The request queue is full.")
 
 
-@pytest.mark.xfail(strict=True, reason="needs the owners of managers/scheduler_admission.py (refuse) and "
-                   "managers/tokenizer_manager.py (_deliver) to count queue-full refusals apart from aborts")
 def test_queue_full_refusals_are_not_counted_as_aborts(limited):
     def counters() -> tuple:
         load = limited.get("/get_server_info").json()["load"]["counters"]

@@ -9,6 +9,7 @@ scheduler that stopped answering (a stuck forward).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import sys
@@ -19,6 +20,7 @@ from typing import Any, Callable, Optional
 import zmq
 import zmq.asyncio
 
+from managers import ipc
 from managers.data_parallel_controller import DataParallelController
 from managers.generate_input import RequestError
 from managers.io_struct import BatchStrOut, SchedulerReady
@@ -74,7 +76,7 @@ class RuntimeFrontend:
         for name in self.procs.port_args.scheduler_input_names(self.server_args.dp_size):
             to_scheduler = self._zmq.socket(zmq.PUSH)
             to_scheduler.connect(name)
-            sends.append(to_scheduler.send_pyobj)
+            sends.append(functools.partial(ipc.send, to_scheduler))
         from_detokenizer = self._zmq.socket(zmq.PULL)
         from_detokenizer.bind(self.procs.port_args.tokenizer_ipc_name)
         send, on_release = sends[0], None
@@ -90,7 +92,11 @@ class RuntimeFrontend:
     async def _recv_loop(self, sock: zmq.asyncio.Socket) -> None:
         tm = self.tokenizer_manager
         while True:
-            msg = await sock.recv_pyobj()
+            try:
+                msg = await ipc.recv_async(sock)
+            except ipc.IPCDecodeError as exc:  # a frame that is not ours: dropped, never executed
+                logger.warning("Front end dropped a message: %s", exc)
+                continue
             if isinstance(msg, BatchStrOut):
                 tm.handle_batch_str_out(msg)
             else:

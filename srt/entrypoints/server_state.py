@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from managers.generate_input import RequestLimits
 from managers.io_struct import SchedulerReady
 from srt.environ import envs
 
@@ -25,8 +26,8 @@ class ServerState:
 
     @property
     def max_model_len(self) -> int:
-        """The longest request (prompt + completion) the server accepts."""
-        return min(self.scheduler_info.context_len, self.scheduler_info.max_req_len + 1)
+        """The longest request (prompt + completion) served as asked (`RequestLimits`, one formula)."""
+        return RequestLimits.from_scheduler_info(self.scheduler_info).max_model_len
 
     def silent_scheduler(self) -> Optional[str]:
         """Why the scheduler is not answering at all (stopped or frozen for `stale_s`), or None."""

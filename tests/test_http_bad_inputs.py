@@ -202,3 +202,13 @@ def test_no_model_path_uses_the_demo_model_or_says_how_to_build_it(monkeypatch, 
     monkeypatch.setattr(sa, "DEMO_MODEL_DIR", str(llama_model))
     args = sa.prepare_server_args([])
     assert args.model_path == str(llama_model) and args.tokenizer_path == str(llama_model)
+
+
+def test_deeply_nested_body_is_a_400_not_a_500(server):
+    deep = "[" * 900 + "]" * 900
+    for path, body in (("/generate", '{"text": "hi", "rid": %s}' % deep),
+                       ("/v1/completions", '{"prompt": "hi", "max_tokens": %s}' % deep)):
+        resp = requests.post(server.url + path, data=body, headers={"Content-Type": "application/json"}, timeout=30)
+        assert resp.status_code == 400, resp.text
+        assert "levels deep" in resp.json()["error"]["message"]
+    assert requests.get(server.url + "/health_generate", timeout=30).status_code == 200

@@ -60,8 +60,28 @@ async def read_json_body(request: web.Request) -> Any:
         body = orjson.loads(text)
     except orjson.JSONDecodeError as exc:
         raise RequestError(f"The request body is not valid JSON: {exc}.", 400, code="invalid_request_error") from None
+    depth = json_depth(body, MAX_JSON_DEPTH)
+    if depth > MAX_JSON_DEPTH:
+        raise RequestError(f"The request body nests arrays or objects more than {MAX_JSON_DEPTH} levels deep; no "
+                           "field of this API needs that many.", 400, code="invalid_request_error")
     request["json_body"] = body  # for --log-requests
     return body
+
+
+MAX_JSON_DEPTH = 64  # deeper bodies are refused: error messages and validators recurse over values
+
+
+def json_depth(value: Any, limit: int) -> int:
+    """How deep `value` nests (iteratively, stopping once past `limit`)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (list, dict)):
+            deepest = max(deepest, depth)
+            if deepest > limit:
+                return deepest
+            stack.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 def json_response(data: Any, status: int = 200) -> web.Response:

@@ -75,7 +75,7 @@ def accumulate_input_logprobs(reqs: List[Req], logits_output: "LogitsProcessorOu
             vals, idx = chunk.topk(k, dim=-1)
             top_vals.append(vals.double().flatten())
             top_ids.append(idx.double().flatten())  # ids < 2**53 are exact in float64
-    flat = torch.cat(picked + top_vals + top_ids).tolist()
+    flat = torch.cat(picked + top_vals + top_ids).tolist() if rows else []  # no scored position: entry 0 only
     total = len(rows)
     values, tv, ti = flat[:total], flat[total:total + total * k], flat[total + total * k:]
     for req, s, toks, start in plan:

@@ -63,6 +63,15 @@ def test_minus_one_start_gives_sglangs_single_last_token_entry(setup):
     assert len(meta["output_token_logprobs"]) == len(meta["output_top_logprobs"]) == 2
 
 
+def test_start_at_the_last_prompt_token_scores_nothing_and_serves(setup):
+    _, engine = setup
+    out = engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2, "temperature": 0},
+                          return_logprob=True, logprob_start_len=2, top_logprobs_num=2)
+    assert [e[:2] for e in out["meta_info"]["input_token_logprobs"]] == [[None, 7]]
+    assert out["meta_info"]["input_top_logprobs"] == [None]
+    assert engine.generate(input_ids=[5, 6], sampling_params={"max_new_tokens": 1})["meta_info"]["completion_tokens"] == 1
+
+
 def test_n_children_keep_token_ids_logprob(setup):
     _, engine = setup
     outs = engine.generate(input_ids=[21, 22, 23], sampling_params={"max_new_tokens": 3, "n": 2, "temperature": 1.0},

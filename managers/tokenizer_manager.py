@@ -31,6 +31,7 @@ from managers.io_struct import (
 )
 from managers.data_parallel_controller import merge_flushes, merge_loads
 from managers.prompt_tokenizer import Encoded, PromptTokenizer
+from managers.request_bounds import CONTEXT_CODE, RequestBounds, server_flag
 from managers.template_manager import TemplateManager
 from srt.constrained.base_grammar_backend import GrammarError, create_grammar_backend, grammar_key
 from srt.sampling.sampling_params import SamplingParams
@@ -39,7 +40,6 @@ __all__ = ["RequestError", "ReqState", "TokenizerManager", "TokenizerMetrics"]
 
 logger = logging.getLogger(__name__)
 
-CONTEXT_CODE = "context_length_exceeded"
 ABORTED_BY_CLIENT = 499  # status of "Aborted by request." finishes: delivered, not raised
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -141,12 +141,13 @@ class TokenizerManager:
         self.vocab_size = scheduler_info.vocab_size
         self.max_req_input_len = scheduler_info.max_req_input_len
         self.limits = RequestLimits.from_scheduler_info(scheduler_info)
+        self.bounds = RequestBounds(server_args, self.limits, self.context_len, self.vocab_size)
         self.rid_to_state: Dict[str, ReqState] = {}
         self._draining: Dict[str, ReqState] = {}  # aborted rids whose finish has not come back
         self.metrics = TokenizerMetrics()
         self._pending: Dict[type, Deque[asyncio.Future]] = {FlushCacheReqOutput: deque(), GetLoadReqOutput: deque()}
         self._token_text: Dict[int, str] = {}
-        self.prompts = PromptTokenizer(tokenizer, self.context_len, self._flag("tokenizer_worker_threshold", 4096))
+        self.prompts = PromptTokenizer(tokenizer, self.context_len, server_flag(server_args, "tokenizer_worker_threshold", 4096))
         self._grammar_backend: Any = None
 
     # ------------------------------------------------------------------ public API
@@ -157,10 +158,10 @@ class TokenizerManager:
         Batch or n > 1: stream -> per-output updates carrying "index"; else one list of dicts.
         Bad input raises `RequestError` on the first iteration, before anything is sent.
         """
-        self._check_batch_size(obj)
-        self._check_input_ids_lengths(obj)
+        self.bounds.check_batch_size(obj)
+        self.bounds.check_input_ids_lengths(obj)
         items = obj.normalize()
-        self._check_fan_out(items)
+        self.bounds.check_fan_out(items)
         self._check_rids([item.rid for item in items])
         prepared = await self._prepare_all(items)
         self._check_rids([p.req.rid for p in prepared])  # again: others may have registered meanwhile
@@ -192,7 +193,7 @@ class TokenizerManager:
         --allow-auto-truncate, that prefix is returned and truncated later like any input)."""
         enc = await self.prompts.encode(text, add_special_tokens)
         if not enc.complete and not getattr(self.server_args, "allow_auto_truncate", False):
-            raise self._too_long(enc)
+            raise self.bounds.too_long(enc)
         return enc.ids
 
     def chat_to_prompt(self, messages: Any, **template_kwargs: Any) -> str:
@@ -250,48 +251,6 @@ class TokenizerManager:
             future.set_result(msg)
 
     # ------------------------------------------------------------------ bounds of one request
-    def _check_batch_size(self, obj: GenerateReqInput) -> None:
-        """--max-batch-items, counted before the batch is normalized (cheap to refuse, not to walk)."""
-        count, limit = obj.num_prompts, self._flag("max_batch_items", 512)
-        if count > limit:
-            name = "text" if obj.text is not None else "input_ids"
-            raise RequestError(f"{name} holds {count} prompts, more than one request may carry ({limit}, "
-                               f"--max-batch-items={limit}). Send smaller batches or raise --max-batch-items.",
-                               400, code="invalid_request_error", param=name)
-
-    def _check_input_ids_lengths(self, obj: GenerateReqInput) -> None:
-        """An input_ids prompt at or over the context length is refused before its ids are walked
-        (millions of ids take a second of the event loop to check one by one)."""
-        ids = obj.input_ids
-        if obj.text is not None or not isinstance(ids, list) or getattr(self.server_args, "allow_auto_truncate", False):
-            return
-        for row in ids if ids and isinstance(ids[0], list) else [ids]:
-            if isinstance(row, list) and len(row) >= self.context_len:
-                raise self._too_long(Encoded(row))
-
-    def _check_fan_out(self, items: List[GenerateReqItem]) -> None:
-        """--max-n per prompt, and --max-batch-items over every output (prompts x n): the scheduler
-        runs one request per output. Malformed `n` values are left to SamplingParams.verify."""
-        max_n, limit = self._flag("max_n", 128), self._flag("max_batch_items", 512)
-        total = 0
-        for item in items:
-            n = item.sampling_params.get("n")
-            n = n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
-            if n > max_n:
-                raise RequestError(f"n={n} asks for more samples per prompt than this server allows ({max_n}, "
-                                   f"--max-n={max_n}). Lower n or raise --max-n.", 400,
-                                   code="invalid_request_error", param="n")
-            total += n
-        if total > limit:
-            raise RequestError(f"The request asks for {total} outputs ({len(items)} prompts, n summed over them), "
-                               f"more than one request may ask for ({limit}, --max-batch-items={limit}). Send "
-                               f"fewer prompts or a smaller n, or raise --max-batch-items.", 400,
-                               code="invalid_request_error", param="n")
-
-    def _flag(self, name: str, default: int) -> int:
-        value = getattr(self.server_args, name, None)
-        return default if value is None else int(value)
-
     # ------------------------------------------------------------------ preparing requests
     async def _prepare_all(self, items: List[GenerateReqItem]) -> List[_Prepared]:
         """Every item checked and tokenized; the first bad one refuses the whole call."""
@@ -317,15 +276,15 @@ class TokenizerManager:
 
     def _prepare(self, item: GenerateReqItem, sampling_params: SamplingParams, enc: Optional[Encoded]) -> _Prepared:
         if item.input_ids is not None:
-            self._check_token_ids(item.input_ids, "input_ids")
+            self.bounds.check_token_ids(item.input_ids, "input_ids")
             enc = Encoded(item.input_ids)
         elif not enc.ids:
             raise RequestError("The text tokenized to zero tokens: send a non-empty prompt.", 400)
         if item.token_ids_logprob:
-            self._check_token_ids(item.token_ids_logprob, "token_ids_logprob")
+            self.bounds.check_token_ids(item.token_ids_logprob, "token_ids_logprob")
         raw = item.sampling_params
         explicit_max_new = isinstance(raw, dict) and raw.get("max_new_tokens") is not None
-        ids, meta_extra = self._check_context(enc, sampling_params, explicit_max_new, item.rid)
+        ids, meta_extra = self.bounds.check_context(enc, sampling_params, explicit_max_new, item.rid)
         if item.return_logprob and item.logprob_start_len is not None and item.logprob_start_len >= len(ids):
             raise RequestError(f"logprob_start_len ({item.logprob_start_len}) must be smaller than the input length "
                                f"({len(ids)} tokens); use -1 for output logprobs only.", 400,
@@ -340,64 +299,6 @@ class TokenizerManager:
             top_logprobs_num=item.top_logprobs_num, token_ids_logprob=item.token_ids_logprob,
             stream=item.stream, extra_key=item.extra_key, data_parallel_rank=item.data_parallel_rank)
         return _Prepared(req, meta_extra, item)
-
-    def _check_context(self, enc: Encoded, sp: SamplingParams, explicit_max_new: bool,
-                       rid: str) -> Tuple[List[int], Dict[str, Any]]:
-        """SGLang's two front-end length checks (with --allow-auto-truncate they trim instead), then
-        admission's max_new_tokens clamp, applied here so that it is reported."""
-        C, L, ids = self.context_len, enc.length, enc.ids
-        meta: Dict[str, Any] = {}
-        auto = bool(getattr(self.server_args, "allow_auto_truncate", False))
-        if L >= C:
-            if not auto:
-                raise self._too_long(enc)
-            logger.warning("Request %s: input of %s%d tokens truncated to %d (context length %d, "
-                           "--allow-auto-truncate).", rid, "" if enc.complete else "at least ", L, C - 1, C)
-            meta.update(truncated=True, truncated_input_tokens=L)  # what the client sent (a lower bound if cut)
-            ids, L = ids[: C - 1], C - 1
-        M = sp.max_new_tokens
-        if explicit_max_new and L + M >= C and not auto:
-            raise RequestError(
-                f"Requested token count exceeds the model's maximum context length of {C} tokens. "
-                f"You requested a total of {L + M} tokens: {L} tokens from the input messages and {M} "
-                f"tokens for the completion. Please reduce the number of tokens in the input messages or "
-                f"the completion to fit within the limit.", 400, code=CONTEXT_CODE)
-        self._clamp_max_new_tokens(L, sp, meta, rid)
-        return ids, meta
-
-    def _too_long(self, enc: Encoded) -> RequestError:
-        C = self.context_len
-        size = f"{enc.length} tokens" if enc.complete else f"at least {enc.length} tokens"
-        return RequestError(f"The input ({size}) is longer than the model's context length ({C} tokens). Use a "
-                            f"shorter input, or start the server with --allow-auto-truncate to keep the first "
-                            f"{C - 1} tokens.", 400, code=CONTEXT_CODE)
-
-    def _clamp_max_new_tokens(self, L: int, sp: SamplingParams, meta: Dict[str, Any], rid: str) -> None:
-        """Admission's clamp (`RequestLimits.max_new_tokens_for`), done here so meta_info reports it;
-        the scheduler's own clamp then changes nothing. Prompts admission refuses are left to it."""
-        limits = self.limits
-        if getattr(self.server_args, "allow_auto_truncate", False):
-            L = min(L, limits.max_req_input_len)  # what admission truncates to
-        elif L >= limits.max_req_input_len:
-            return
-        M, room = sp.max_new_tokens, limits.max_new_tokens_for(L)
-        if M <= room:
-            return
-        sp.max_new_tokens = room
-        sp.min_new_tokens = min(sp.min_new_tokens, room)
-        reason = (f"a request may hold at most {limits.max_total_tokens} tokens (prompt + completion), "
-                  f"set by {limits.bound()}")
-        logger.info("Request %s: max_new_tokens %d clamped to %d (input %d tokens; %s).", rid, M, room, L, reason)
-        meta["max_new_tokens_clamped"] = {"requested": M, "used": room, "reason": reason}
-
-    def _check_token_ids(self, ids: List[int], name: str) -> None:
-        V = self.vocab_size
-        if not ids or (min(ids) >= 0 and max(ids) < V):  # C-speed scan; the loop only to name the culprit
-            return
-        for pos, tid in enumerate(ids):
-            if not 0 <= tid < V:
-                raise RequestError(f"{name} contains token id {tid} at position {pos}, outside the vocabulary "
-                                   f"[0, {V}).", 400, code="invalid_request_error", param=name)
 
     def _check_rids(self, rids: List[str]) -> None:
         now = time.monotonic()

@@ -66,15 +66,19 @@ def merge_loads(loads: List[GetLoadReqOutput]) -> GetLoadReqOutput:
     for load in loads:
         for key, value in load.counters.items():
             counters[key] = counters.get(key, 0) + value
+    memory: Dict[str, int] = {}
+    for load in loads:
+        for key, value in load.memory.items():
+            memory[key] = memory.get(key, 0) + value
     usage = sum(x.token_usage * x.max_total_num_tokens for x in loads) / pool if pool else 0.0
     return GetLoadReqOutput(sum(x.num_running_reqs for x in loads), sum(x.num_waiting_reqs for x in loads), usage,
-                            pool, counters, dp_rank=-1, replicas=[_replica_dict(x) for x in loads])
+                            pool, counters, dp_rank=-1, replicas=[_replica_dict(x) for x in loads], memory=memory)
 
 
 def _replica_dict(load: GetLoadReqOutput) -> dict:
     return dict(dp_rank=load.dp_rank, num_running_reqs=load.num_running_reqs, num_waiting_reqs=load.num_waiting_reqs,
                 token_usage=load.token_usage, max_total_num_tokens=load.max_total_num_tokens,
-                counters=dict(load.counters))
+                counters=dict(load.counters), memory=dict(load.memory))
 
 
 def merge_flushes(replies: List[FlushCacheReqOutput]) -> FlushCacheReqOutput:

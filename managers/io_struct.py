@@ -63,6 +63,9 @@ class GetLoadReqOutput:
     counters: Dict[str, float] = field(default_factory=dict)
     dp_rank: int = 0  # the replica that answered; -1 for totals merged over replicas
     replicas: List[Dict[str, Any]] = field(default_factory=list)  # per replica, when merged (dp > 1)
+    # KV conservation at the time of the reply: available_size + evictable_size + protected_size ==
+    # max_total_num_tokens, and num_free_req_slots == num_req_slots once nothing runs.
+    memory: Dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

@@ -369,7 +369,15 @@ class Scheduler:
 
     def get_load(self) -> GetLoadReqOutput:
         return GetLoadReqOutput(len(self.running_batch.reqs), self.num_queued(), self.token_usage(),
-                                self.max_total_num_tokens, dict(self.stats), dp_rank=self.dp_rank)
+                                self.max_total_num_tokens, dict(self.stats), dp_rank=self.dp_rank,
+                                memory=self.memory_accounting())
+
+    def memory_accounting(self) -> Dict[str, int]:
+        """The conservation terms: every KV slot is free, evictable or protected, exactly once."""
+        rows = self.runner.req_to_token_pool
+        return dict(available_size=self.runner.token_to_kv_pool_allocator.available_size(),
+                    evictable_size=self.tree_cache.evictable_size(), protected_size=self.tree_cache.protected_size(),
+                    num_free_req_slots=rows.available_size(), num_req_slots=rows.size)
 
     def on_idle(self) -> None:
         if self.is_idle():

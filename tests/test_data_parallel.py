@@ -76,6 +76,11 @@ def test_dp2_serves_on_both_replicas_with_dp1_results(llama_model, method):
         counts = [r["counters"]["num_requests"] for r in replicas]
         assert min(counts) > 0 and sum(counts) == info["load"]["counters"]["num_requests"] >= len(prompts)
         assert info["load"]["max_total_num_tokens"] == sum(r["max_total_num_tokens"] for r in replicas)
+        mem = info["load"]["memory"]  # conservation summed over the replicas, each replica's own too
+        for m, total in [(mem, info["load"]["max_total_num_tokens"])] + [(r["memory"], r["max_total_num_tokens"])
+                                                                         for r in replicas]:
+            assert m["available_size"] + m["evictable_size"] + m["protected_size"] == total
+            assert m["protected_size"] == 0 and m["num_free_req_slots"] == m["num_req_slots"]
         metrics = two.get("/metrics").text
         for d in (0, 1):
             line = next(l for l in metrics.splitlines() if l.startswith("sglang:dp_num_requests{")

@@ -181,6 +181,15 @@ def test_get_server_info_has_args_limits_version_and_load(server):
     assert info["api_key"] is None
 
 
+def test_get_server_info_reports_kv_conservation_after_traffic(server):
+    generate(server, text=["conservation one", "conservation two"], sampling_params={**GREEDY, "max_new_tokens": 6})
+    load = server.get("/get_server_info").json()["load"]
+    mem = load["memory"]
+    assert mem["available_size"] + mem["evictable_size"] + mem["protected_size"] == load["max_total_num_tokens"]
+    assert mem["evictable_size"] > 0  # the two prompts stayed in the radix cache
+    assert mem["protected_size"] == 0 and mem["num_free_req_slots"] == mem["num_req_slots"] > 0
+
+
 def test_flush_cache_refused_while_running_then_abort_by_rid(server):
     body = {"text": "A long story", "rid": "flush-test-abc", "stream": True, "sampling_params": LONG}
     with server.post("/generate", json=body, stream=True) as resp:

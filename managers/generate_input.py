@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Hashable, List, Mapping, Optional, Tuple, Union
 
 from srt.sampling.sampling_params import IMPLEMENTED, DefaultOnly
+from srt.utils.bounded_repr import bounded_repr
 
 
 class RequestError(ValueError):
@@ -100,7 +101,7 @@ def check_field_rule(name: str, value: Any, rule: Any) -> None:
         if value is not None and not isinstance(value, rule.types):
             kinds = " or ".join({str: "a string", bool: "a boolean", dict: "an object"}.get(t, t.__name__)
                                 for t in rule.types)
-            _fail(f"{name} must be {kinds}, got {value!r}.", name.split(".")[0])
+            _fail(f"{name} must be {kinds}, got {bounded_repr(value)}.", name.split(".")[0])
     elif not rule.accepts(value):
         _fail(rule.refusal(name, value), name.split(".")[0])
 
@@ -187,9 +188,9 @@ class GenerateReqInput:
         n = len(prompts)
         single = self.is_single
         if not isinstance(self.stream, bool):
-            _fail(f"stream must be a boolean, got {self.stream!r}.", "stream")
+            _fail(f"stream must be a boolean, got {bounded_repr(self.stream)}.", "stream")
         if not isinstance(self.return_text_in_logprobs, bool):
-            _fail(f"return_text_in_logprobs must be a boolean, got {self.return_text_in_logprobs!r}.",
+            _fail(f"return_text_in_logprobs must be a boolean, got {bounded_repr(self.return_text_in_logprobs)}.",
                   "return_text_in_logprobs")
         rids = self._rids(n, single)
         params = _per_item(self.sampling_params, "sampling_params", n, single, _check_params)
@@ -200,7 +201,7 @@ class GenerateReqInput:
         keys = _per_item(self.extra_key, "extra_key", n, single, _check_key)
         salts = _per_item(self.cache_salt, "cache_salt", n, single, _check_key)
         if self.data_parallel_rank is not None and (not _is_int(self.data_parallel_rank) or self.data_parallel_rank < 0):
-            _fail(f"data_parallel_rank must be an integer >= 0, got {self.data_parallel_rank!r}.", "data_parallel_rank")
+            _fail(f"data_parallel_rank must be an integer >= 0, got {bounded_repr(self.data_parallel_rank)}.", "data_parallel_rank")
         items = []
         for i, (text, ids) in enumerate(prompts):
             items.append(GenerateReqItem(
@@ -253,14 +254,14 @@ class GenerateReqInput:
             return [uuid.uuid4().hex for _ in range(n)]
         if single:
             if not isinstance(rid, str) or not rid:
-                _fail(f"rid must be a non-empty string for a single prompt, got {rid!r}.", "rid")
+                _fail(f"rid must be a non-empty string for a single prompt, got {bounded_repr(rid)}.", "rid")
             return [rid]
         if not isinstance(rid, list) or len(rid) != n:
-            _fail(f"rid must be a list of {n} strings for a batch of {n} prompts, got {rid!r}.", "rid")
+            _fail(f"rid must be a list of {n} strings for a batch of {n} prompts, got {bounded_repr(rid)}.", "rid")
         rids = [r if r is not None else uuid.uuid4().hex for r in rid]
         for r in rids:
             if not isinstance(r, str) or not r:
-                _fail(f"rid entries must be non-empty strings, got {r!r}.", "rid")
+                _fail(f"rid entries must be non-empty strings, got {bounded_repr(r)}.", "rid")
         if len(set(rids)) != n:
             _fail("rid entries of a batch must be distinct.", "rid")
         return rids
@@ -300,20 +301,20 @@ def _check_params(value: Any, name: str) -> Optional[Dict[str, Any]]:
 
 def _check_bool(value: Any, name: str) -> Optional[bool]:
     if value is not None and not isinstance(value, bool):
-        _fail(f"{name} must be a boolean, got {value!r}.", name.split("[")[0])
+        _fail(f"{name} must be a boolean, got {bounded_repr(value)}.", name.split("[")[0])
     return value
 
 
 def _check_start(value: Any, name: str) -> Optional[int]:
     if value is not None and (not _is_int(value) or value < -1):
-        _fail(f"{name} must be -1 (output tokens only) or a prompt position >= 0, got {value!r}.",
+        _fail(f"{name} must be -1 (output tokens only) or a prompt position >= 0, got {bounded_repr(value)}.",
               name.split("[")[0])
     return value
 
 
 def _check_top(value: Any, name: str) -> Optional[int]:
     if value is not None and (not _is_int(value) or value < 0):
-        _fail(f"{name} must be an integer >= 0, got {value!r}.", name.split("[")[0])
+        _fail(f"{name} must be an integer >= 0, got {bounded_repr(value)}.", name.split("[")[0])
     return value
 
 

@@ -212,3 +212,18 @@ def test_deeply_nested_body_is_a_400_not_a_500(server):
         assert resp.status_code == 400, resp.text
         assert "levels deep" in resp.json()["error"]["message"]
     assert requests.get(server.url + "/health_generate", timeout=30).status_code == 200
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/generate", {"text": "hi", "stream": "s" * 500_000}, "stream"),
+    ("/generate", {"text": "hi", "rid": [7] * 100_000}, "rid"),
+    ("/generate", {"text": "hi", "sampling_params": {"stop": [""] + ["x" * 1000] * 200}}, "sampling_params"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "9" * 400_000}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": ["b" * 300_000]}, "logit_bias"),
+])
+def test_error_messages_do_not_echo_huge_values(server, path, body, param):
+    resp = requests.post(server.url + path, json=body, timeout=60)
+    assert resp.status_code == 400, resp.text[:300]
+    error = resp.json()["error"]
+    assert len(error["message"]) < 400, error["message"][:500]
+    assert param.split("[")[0] in error["message"] or error["param"] == param

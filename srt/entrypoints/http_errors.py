@@ -7,6 +7,8 @@ from typing import Optional
 import orjson
 from aiohttp import web
 
+from srt.utils.bounded_repr import bound_message
+
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
           429: "rate_limit_error", 499: "client_closed_request", 503: "service_unavailable"}
@@ -14,7 +16,7 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
 
 def error_body(status: int, message: str, code: Optional[str] = None, param: Optional[str] = None,
                err_type: Optional[str] = None) -> dict:
-    return {"error": {"message": message, "type": err_type or _TYPES.get(status, "server_error"),
+    return {"error": {"message": bound_message(message), "type": err_type or _TYPES.get(status, "server_error"),
                       "param": param, "code": code}}
 
 

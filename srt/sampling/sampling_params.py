@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
+from srt.utils.bounded_repr import bounded_repr
+
 # Below this temperature a request is decoded greedily (argmax), as in SGLang.
 GREEDY_TEMPERATURE = 1e-6
 
@@ -161,18 +163,18 @@ class SamplingParams:
                      "repetition_penalty"):
             value = getattr(self, name)
             if not _is_number(value):
-                _fail(f"{name} must be a number, got {value!r}.")
+                _fail(f"{name} must be a number, got {bounded_repr(value)}.")
         for name in ("max_new_tokens", "min_new_tokens", "top_k", "n"):
             value = getattr(self, name)
             if not _is_int(value):
-                _fail(f"{name} must be an integer, got {value!r}.")
+                _fail(f"{name} must be an integer, got {bounded_repr(value)}.")
         for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
                      "no_stop_trim"):
             value = getattr(self, name)
             if not isinstance(value, bool):
-                _fail(f"{name} must be a boolean, got {value!r}.")
+                _fail(f"{name} must be a boolean, got {bounded_repr(value)}.")
         if self.sampling_seed is not None and not _is_int(self.sampling_seed):
-            _fail(f"sampling_seed must be an integer or null, got {self.sampling_seed!r}.")
+            _fail(f"sampling_seed must be an integer or null, got {bounded_repr(self.sampling_seed)}.")
 
     def _verify_ranges(self) -> None:
         t = self.temperature
@@ -203,35 +205,35 @@ class SamplingParams:
     def _verify_stops(self, vocab_size: Optional[int]) -> None:
         for s in _as_list(self.stop, "stop"):
             if not isinstance(s, str) or not s:
-                _fail(f"stop must be a non-empty string or a list of them, got {s!r}.")
+                _fail(f"stop must be a non-empty string or a list of them, got {bounded_repr(s)}.")
         for pattern in _as_list(self.stop_regex, "stop_regex"):
             if not isinstance(pattern, str) or not pattern:
-                _fail(f"stop_regex must be a non-empty string or a list of them, got {pattern!r}.")
+                _fail(f"stop_regex must be a non-empty string or a list of them, got {bounded_repr(pattern)}.")
             try:
                 re.compile(pattern)
             except re.error as exc:
-                _fail(f"stop_regex must be a valid regular expression, got {pattern!r}: {exc}.")
+                _fail(f"stop_regex must be a valid regular expression, got {bounded_repr(pattern)}: {exc}.")
         ids = self.stop_token_ids if self.stop_token_ids is not None else []
         if not isinstance(ids, (list, tuple, set)):
-            _fail(f"stop_token_ids must be a list of token ids, got {ids!r}.")
+            _fail(f"stop_token_ids must be a list of token ids, got {bounded_repr(ids)}.")
         upper = vocab_size if vocab_size is not None else None
         for tid in ids:
             if not _is_int(tid) or tid < 0 or (upper is not None and tid >= upper):
                 bound = f"[0, vocab_size={upper})" if upper is not None else ">= 0"
-                _fail(f"stop_token_ids must hold token ids in {bound}, got {tid!r}.")
+                _fail(f"stop_token_ids must hold token ids in {bound}, got {bounded_repr(tid)}.")
 
     def _verify_logit_bias(self, vocab_size: Optional[int]) -> None:
         if self.logit_bias is None:
             return
         if not isinstance(self.logit_bias, Mapping):
-            _fail(f"logit_bias must be an object mapping token ids to biases, got {self.logit_bias!r}.")
+            _fail(f"logit_bias must be an object mapping token ids to biases, got {bounded_repr(self.logit_bias)}.")
         bound = f"[0, vocab_size={vocab_size})" if vocab_size is not None else "[0, vocab_size)"
         for key, bias in self.logit_bias.items():
             tid = _token_id_key(key)
             if tid is None or tid < 0 or (vocab_size is not None and tid >= vocab_size):
-                _fail(f"logit_bias keys must be token ids in {bound}, got {key!r}.")
+                _fail(f"logit_bias keys must be token ids in {bound}, got {bounded_repr(key)}.")
             if not _is_number(bias) or not math.isfinite(bias):
-                _fail(f"logit_bias values must be finite numbers, got {bias!r} for token {key!r}.")
+                _fail(f"logit_bias values must be finite numbers, got {bounded_repr(bias)} for token {bounded_repr(key)}.")
 
     def _verify_grammar(self) -> None:
         given = [name for name in ("regex", "json_schema", "ebnf", "structural_tag") if getattr(self, name) is not None]
@@ -300,7 +302,7 @@ def _as_list(value: Any, name: str) -> List[Any]:
         return [value]
     if isinstance(value, (list, tuple)):
         return list(value)
-    raise ValueError(f"{name} must be a string or a list of strings, got {value!r}.")
+    raise ValueError(f"{name} must be a string or a list of strings, got {bounded_repr(value)}.")
 
 
 def _token_id_key(key: Any) -> Optional[int]:

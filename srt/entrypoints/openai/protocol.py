@@ -16,6 +16,7 @@ from managers.generate_input import RequestError, check_field_rule
 from srt.entrypoints import http_server
 from srt.entrypoints.openai.fields import STREAM_OPTIONS_FIELDS
 from srt.sampling.sampling_params import IMPLEMENTED, DefaultOnly
+from srt.utils.bounded_repr import bounded_repr
 
 MAX_LOGPROBS = 20  # completions `logprobs` and chat `top_logprobs` upper bound
 
@@ -65,7 +66,7 @@ def client_rid(body: Mapping[str, Any], num_prompts: int) -> Optional[Union[str,
     if isinstance(rid, list) and len(rid) == num_prompts and all(isinstance(r, str) and r for r in rid):
         return rid[0] if num_prompts == 1 else rid
     raise invalid(f"rid must be a non-empty string or a list of {num_prompts} non-empty strings (one per prompt), "
-                  f"got {rid!r}.", "rid")
+                  f"got {bounded_repr(rid)}.", "rid")
 
 
 def model_matches(model: str, served_name: str, model_path: Optional[str]) -> bool:
@@ -81,7 +82,7 @@ def get_bool(body: Mapping[str, Any], name: str, default: bool = False) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise invalid(f"{name} must be a boolean, got {value!r}.", name)
+        raise invalid(f"{name} must be a boolean, got {bounded_repr(value)}.", name)
     return value
 
 
@@ -90,10 +91,10 @@ def get_int(body: Mapping[str, Any], name: str, low: int, high: Optional[int] = 
     if value is None:
         return None
     if not isinstance(value, int) or isinstance(value, bool):
-        raise invalid(f"{name} must be an integer, got {value!r}.", name)
+        raise invalid(f"{name} must be an integer, got {bounded_repr(value)}.", name)
     if value < low or (high is not None and value > high):
         allowed = f"[{low}, {high}]" if high is not None else f">= {low}"
-        raise invalid(f"{name} must be {'in ' if high is not None else ''}{allowed}, got {value}.", name)
+        raise invalid(f"{name} must be {'in ' if high is not None else ''}{allowed}, got {bounded_repr(value)}.", name)
     return value
 
 
@@ -102,7 +103,7 @@ def get_number(body: Mapping[str, Any], name: str, low: float, high: float) -> O
     if value is None:
         return None
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-        raise invalid(f"{name} must be a finite number, got {value!r}.", name)
+        raise invalid(f"{name} must be a finite number, got {bounded_repr(value)}.", name)
     if not low <= value <= high:
         raise invalid(f"{name} must be in [{low:g}, {high:g}], got {value:g}.", name)
     return value
@@ -176,7 +177,7 @@ def sampling_params(body: Mapping[str, Any], max_tokens: Optional[int]) -> Dict[
     ids = body.get("stop_token_ids")
     if ids is not None:
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise invalid(f"stop_token_ids must be a list of integer token ids, got {ids!r}.", "stop_token_ids")
+            raise invalid(f"stop_token_ids must be a list of integer token ids, got {bounded_repr(ids)}.", "stop_token_ids")
         params["stop_token_ids"] = ids
     bias = _logit_bias(body.get("logit_bias"))
     if bias:
@@ -208,7 +209,7 @@ def grammar_params(body: Mapping[str, Any]) -> Dict[str, str]:
     fmt = body.get("response_format")
     if fmt is not None:
         if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
-            raise invalid(f"response_format must be an object with a type, got {fmt!r}.", "response_format")
+            raise invalid(f"response_format must be an object with a type, got {bounded_repr(fmt)}.", "response_format")
         kind = fmt["type"]
         if kind == "json_object":
             out["json_schema"] = json.dumps({"type": "object"})
@@ -217,13 +218,13 @@ def grammar_params(body: Mapping[str, Any]) -> Dict[str, str]:
             schema = spec.get("schema") if isinstance(spec, dict) else None
             if not isinstance(schema, (dict, bool)):
                 raise invalid("response_format.json_schema.schema must be a JSON schema object, got "
-                              f"{schema!r}.", "response_format")
+                              f"{bounded_repr(schema)}.", "response_format")
             out["json_schema"] = json.dumps(schema)
         elif kind == "structural_tag":  # SGLang's: {type, structures: [{begin, schema, end}], triggers}
             out["structural_tag"] = json.dumps({"structures": fmt.get("structures"), "triggers": fmt.get("triggers")})
         elif kind != "text":
             raise invalid(f"response_format type must be 'text', 'json_object', 'json_schema' or 'structural_tag', "
-                          f"got {kind!r}.", "response_format")
+                          f"got {bounded_repr(kind)}.", "response_format")
     return out
 
 
@@ -232,7 +233,7 @@ def _stop(value: Any, name: str) -> Optional[list]:
         return None
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise invalid(f"{name} must be a non-empty string or a list of non-empty strings, got {value!r}.", name)
+        raise invalid(f"{name} must be a non-empty string or a list of non-empty strings, got {bounded_repr(value)}.", name)
     return stops
 
 
@@ -240,9 +241,9 @@ def _logit_bias(value: Any) -> Optional[Dict[str, float]]:
     if value is None:
         return None
     if not isinstance(value, dict):
-        raise invalid(f"logit_bias must be an object mapping token ids to biases, got {value!r}.", "logit_bias")
+        raise invalid(f"logit_bias must be an object mapping token ids to biases, got {bounded_repr(value)}.", "logit_bias")
     for key, bias in value.items():
         if not isinstance(bias, (int, float)) or isinstance(bias, bool) or not -100 <= bias <= 100:
-            raise invalid(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {key!r}.",
+            raise invalid(f"logit_bias values must be numbers in [-100, 100], got {bounded_repr(bias)} for token {bounded_repr(key)}.",
                           "logit_bias")
     return value

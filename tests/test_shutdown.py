@@ -147,3 +147,47 @@ def test_a_second_sigterm_aborts_in_flight_requests_at_once(server):
     assert "without waiting" in resp.json()["error"]["message"]
     assert handle.proc.wait(20) == 0
 
+
+
+def test_two_concurrent_shutdowns_do_not_race(tmp_path):
+    """The child watchdog (a child died) and the main thread (start-up failed) can shut down at
+    the same moment; that raised 'dictionary changed size during iteration' in one of them."""
+    import threading
+    import time as _time
+    from types import SimpleNamespace
+
+    from srt.entrypoints.process_launcher import RuntimeProcesses
+
+    class SlowProc:
+        pid = 2**22 + 7  # no such process; is_alive() is False, so nothing is signalled
+
+        def is_alive(self) -> bool:
+            return False
+
+        def join(self, timeout=None) -> None:
+            _time.sleep(0.05)
+
+    class Pipe:
+        def close(self) -> None:
+            pass
+
+    procs = RuntimeProcesses.__new__(RuntimeProcesses)
+    procs.port_args = SimpleNamespace(tmpdir=str(tmp_path / "ipc"))
+    procs.procs = {f"p{i}": SlowProc() for i in range(6)}
+    procs.pipes = {f"p{i}": Pipe() for i in range(6)}
+    procs._stopping = False
+    procs._shutdown_lock = threading.Lock()
+    errors = []
+
+    def stop() -> None:
+        try:
+            procs.shutdown(timeout=0.01)
+        except Exception as exc:  # the race surfaced here
+            errors.append(exc)
+
+    threads = [threading.Thread(target=stop) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert errors == [] and procs.procs == {} and procs.pipes == {}

@@ -115,6 +115,9 @@ class RuntimeProcesses:
         self.heartbeats: Dict[str, Heartbeat] = {}  # scheduler ranks only
         self._stopping = False
         self._watcher: Optional[threading.Thread] = None
+        # The child watchdog (a child died) and the main thread (start-up failed, Ctrl-C) may both
+        # shut down at once; one at a time, each over a snapshot of the children.
+        self._shutdown_lock = threading.Lock()
 
     def start(self) -> SchedulerReady:
         """Spawn this node's scheduler ranks (and, on node 0, the detokenizer); wait for every
@@ -197,16 +200,18 @@ class RuntimeProcesses:
                     continue
                 name = sentinels[done[0]]
                 message = ""
-                pipe = self.pipes[name]
+                pipe, proc = self.pipes.get(name), self.procs.get(name)
+                if pipe is None or proc is None:  # shut down meanwhile: nothing left to report
+                    return
                 try:
                     if pipe.poll(0.5):
                         msg = pipe.recv()
                         message = getattr(msg, "error", "") if not isinstance(msg, dict) else msg.get("error", "")
                 except (EOFError, OSError):
                     pass
-                self.procs[name].join(1)
+                proc.join(1)
                 try:
-                    on_death(_describe_exit(name, self.procs[name], message))
+                    on_death(_describe_exit(name, proc, message))
                 except Exception:  # never let the watchdog die silently: callers would hang
                     logger.exception("child-death handler failed")
                 return
@@ -259,18 +264,20 @@ class RuntimeProcesses:
         """SIGTERM, wait, SIGKILL (at once for a stopped process, which cannot act on SIGTERM);
         remove the socket directory. Idempotent."""
         self._stopping = True
-        for proc in self.procs.values():
-            if proc.is_alive() and process_state(proc.pid) in ("T", "t"):
-                os.kill(proc.pid, signal.SIGKILL)
-            elif proc.is_alive():
-                proc.terminate()
-        for proc in self.procs.values():
-            proc.join(timeout)
-            if proc.is_alive():
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.join(1)
-        for pipe in self.pipes.values():
-            pipe.close()
-        self.procs.clear()
-        self.pipes.clear()
-        shutil.rmtree(self.port_args.tmpdir, ignore_errors=True)
+        with self._shutdown_lock:
+            procs, pipes = list(self.procs.values()), list(self.pipes.values())
+            for proc in procs:
+                if proc.is_alive() and process_state(proc.pid) in ("T", "t"):
+                    os.kill(proc.pid, signal.SIGKILL)
+                elif proc.is_alive():
+                    proc.terminate()
+            for proc in procs:
+                proc.join(timeout)
+                if proc.is_alive():
+                    os.kill(proc.pid, signal.SIGKILL)
+                    proc.join(1)
+            for pipe in pipes:
+                pipe.close()
+            self.procs.clear()
+            self.pipes.clear()
+            shutil.rmtree(self.port_args.tmpdir, ignore_errors=True)

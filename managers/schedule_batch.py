@@ -39,8 +39,9 @@ class ScheduleBatch:
         self.allocator = runner.token_to_kv_pool_allocator
         self.page_size = runner.page_size
         self.device = runner.device
-        # Decode reuses its sampling tensors while the membership is unchanged (see _sampling_info).
-        self._sampling_cache: Optional[Tuple[Tuple[int, ...], int, SamplingBatchInfo]] = None
+        # Decode keeps its sampling tensors across steps (see _decode_sampling_info): the requests
+        # they were built for, each one's len(output_ids) then, and the tensors.
+        self._sampling_cache: Optional[Tuple[List[Req], List[int], SamplingBatchInfo]] = None
 
     def batch_size(self) -> int:
         return len(self.reqs)
@@ -160,17 +161,44 @@ class ScheduleBatch:
         return self.req_to_token_pool.req_to_token.view(-1).index_select(0, flat).to(torch.int64)
 
     def _decode_sampling_info(self, last_tokens: torch.Tensor) -> SamplingBatchInfo:
-        """Same requests as the previous decode step: each gained exactly `last_tokens`, so
-        advancing the cached tensors equals rebuilding them (and costs O(batch), not O(python))."""
-        key = tuple(id(r) for r in self.reqs)
-        generated = sum(len(r.output_ids) for r in self.reqs)
-        cache = self._sampling_cache
-        if cache is not None and cache[0] == key and cache[1] + len(key) == generated:
-            info = cache[2]
-            info.cumulate_output_tokens(last_tokens)
-        else:
+        """Last step's tensors brought up to date rather than rebuilt: requests that left are
+        filtered out, each survivor gained exactly its input token (`cumulate_output_tokens`),
+        and requests that joined (prefilled, re-admitted) are built alone and merged in. So the
+        per-request Python work (output_ids, logit_bias, stop masks) is done once per request."""
+        info = self._advance_sampling_info(last_tokens) if self._sampling_cache is not None else None
+        if info is None:
             info = self._sampling_info()
-        self._sampling_cache = (key, generated, info)
+        self._sampling_cache = (list(self.reqs), [len(r.output_ids) for r in self.reqs], info)
+        return info
+
+    def _advance_sampling_info(self, last_tokens: torch.Tensor) -> Optional[SamplingBatchInfo]:
+        """The cached info updated to `self.reqs`, or None when no row can be reused. A cached row
+        is reused only if its request gained exactly one token since (else it is rebuilt)."""
+        old_reqs, old_lens, info = self._sampling_cache
+        row_of = {id(r): i for i, r in enumerate(old_reqs)}
+        kept: List[Tuple[int, int]] = []  # (position in self.reqs, row in the cached info)
+        fresh: List[int] = []
+        for pos, req in enumerate(self.reqs):
+            row = row_of.get(id(req))
+            if row is not None and len(req.output_ids) == old_lens[row] + 1:
+                kept.append((pos, row))
+            else:
+                fresh.append(pos)
+        if not kept:
+            return None
+        if not fresh and len(kept) == len(old_reqs) and all(p == r for p, r in kept):
+            info.cumulate_output_tokens(last_tokens)  # the common step: same requests, same order
+            return info
+        rows = [r for _, r in kept]
+        if rows != list(range(len(old_reqs))):
+            info.filter_batch(rows)
+        tokens = [self.reqs[p].output_ids[-1] for p, _ in kept]
+        info.cumulate_output_tokens(host_to_device(tokens, torch.int64, self.device))
+        if fresh:
+            info.merge_batch(self._sampling_info([self.reqs[p] for p in fresh]))
+        order = [p for p, _ in kept] + fresh  # info row j now belongs to self.reqs[order[j]]
+        if order != list(range(len(order))):
+            info.filter_batch(sorted(range(len(order)), key=order.__getitem__))
         return info
 
     def _with_grammar_mask(self, info: SamplingBatchInfo) -> SamplingBatchInfo:
@@ -187,12 +215,13 @@ class ScheduleBatch:
         info.vocab_mask = mask.pin_memory().to(self.device, non_blocking=True) if is_cuda(self.device) else mask
         return info
 
-    def _sampling_info(self) -> SamplingBatchInfo:
+    def _sampling_info(self, reqs: Optional[List[Req]] = None) -> SamplingBatchInfo:
+        """Sampling tensors built from scratch for `reqs` (default: the whole batch)."""
+        reqs = self.reqs if reqs is None else reqs
         vocab = self.runner.model_config.vocab_size
-        stops = [r.eos_token_ids for r in self.reqs]
         return SamplingBatchInfo.from_params(
-            [r.sampling_params for r in self.reqs], vocab, self.device,
-            output_ids=[r.output_ids for r in self.reqs], stop_token_ids=stops,
+            [r.sampling_params for r in reqs], vocab, self.device,
+            output_ids=[r.output_ids for r in reqs], stop_token_ids=[r.eos_token_ids for r in reqs],
         )
 
     # ------------------------------------------------------------------ retraction

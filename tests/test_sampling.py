@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from srt.layers.sampler import Sampler, _fmix32, _mul32, filter_probs, seeded_uniform
+from srt.layers.sampler import Sampler, _fmix32, _mul32, sample_plain, sample_truncated, seeded_uniform, truncate
 from srt.sampling import SamplingBatchInfo, SamplingParams
 
 VOCAB = 32
@@ -209,17 +209,133 @@ def test_min_p_drops_tokens_below_fraction_of_max():
 
 
 def test_top_p_applies_after_top_k_on_the_remaining_mass():
-    probs = torch.tensor([[0.4, 0.3, 0.2, 0.1]])
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
     info = make_info([SamplingParams(top_k=2, top_p=0.5)], vocab=4)
     # After top-k, tokens 0 and 1 hold 0.7; 0.4 / 0.7 >= 0.5, so token 0 alone is kept.
-    kept = filter_probs(probs, info)
-    assert kept[0].nonzero().view(-1).tolist() == [0]
+    t = truncate(logits, info.groups.truncated)
+    assert t.ids[0, : int(t.n_keep)].tolist() == [0]
 
 
-def test_neutral_rows_are_untouched_by_filters_of_other_rows():
-    probs = torch.softmax(random_logits(2), dim=-1)
-    info = make_info([SamplingParams(top_p=0.5, top_k=3, min_p=0.2), SamplingParams()])
-    assert torch.equal(filter_probs(probs, info)[1], probs[1])
+def test_a_row_without_top_k_or_top_p_is_sampled_over_the_vocabulary_whatever_its_batch():
+    params = [SamplingParams(top_p=0.5, top_k=3, min_p=0.2), SamplingParams(sampling_seed=5)]
+    info = make_info(params)
+    assert info.groups.truncated.rows.tolist() == [0] and info.groups.plain.rows.tolist() == [1]
+    logits = random_logits(2, seed=9) / 3
+    together = [sample(logits, params, positions=[0, p]).next_token_ids[1].item() for p in range(40)]
+    alone = [sample(logits[1:], params[1:], positions=[p]).next_token_ids.item() for p in range(40)]
+    assert together == alone
+    assert len(set(alone)) > 5, "the plain row must reach beyond the other row's 3 candidates"
+
+
+def test_candidates_are_the_largest_top_k_of_the_sampled_rows_only():
+    info = make_info([SamplingParams(top_k=5), SamplingParams(top_k=7, top_p=0.9), SamplingParams(temperature=0)])
+    assert info.groups.truncated.candidates == 7 and info.groups.plain is None
+    info = make_info([SamplingParams(top_k=5), SamplingParams(top_p=0.9)])
+    assert info.groups.truncated.candidates == VOCAB, "a row without top-k needs the whole vocabulary"
+
+
+def test_all_greedy_batch_has_no_sampled_rows():
+    info = make_info([SamplingParams(temperature=0), SamplingParams(top_k=1, top_p=0.5)])
+    assert info.is_all_greedy and info.groups.truncated is None and info.groups.plain is None
+
+
+@pytest.mark.parametrize("u", [0.0, 0.5, 1 - 2**-53], ids=["bottom", "middle", "top"])
+def test_no_uniform_picks_a_dropped_or_banned_token(u):
+    logits = torch.full((3, VOCAB), -math.inf)
+    logits[:, 5:9] = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    params = [SamplingParams(top_k=10), SamplingParams(top_p=0.75), SamplingParams()]
+    groups = [make_info([p]).groups for p in params]
+    uniforms = torch.full((1,), u, dtype=torch.float64)
+    first = sample_truncated(logits[:1], groups[0].truncated, uniforms).item()
+    nucleus = sample_truncated(logits[1:2], groups[1].truncated, uniforms).item()
+    plain = sample_plain(logits[2:], groups[2].plain, uniforms).item()
+    assert first in {5, 6, 7, 8} and nucleus in {5, 6} and plain in {5, 6, 7, 8}
+    if u == 0.0:
+        assert first == nucleus == plain == 5
+    if u > 0.99:
+        assert (first, nucleus, plain) == (8, 6, 8)
+
+
+# The sampler as it was before top-k candidates (full sort of the vocabulary, float64 CDF): the
+# oracle for the distribution the sampler must keep, and the "old" column of
+# scripts/bench_sampling.py.
+def reference_filter_probs(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """Probabilities [bs, vocab] with what top-k, top-p, min-p exclude zeroed (not renormalised)."""
+    if info.need_top_k_sampling or info.need_top_p_sampling:
+        sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
+        if info.need_top_k_sampling:
+            ranks = torch.arange(probs.shape[1], device=probs.device)
+            sorted_probs.masked_fill_(ranks.unsqueeze(0) >= info.top_ks.unsqueeze(1), 0.0)
+        if info.need_top_p_sampling:
+            kept_mass = sorted_probs.sum(dim=-1, keepdim=True)
+            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            top_ps = info.top_ps.unsqueeze(1)
+            sorted_probs.masked_fill_((mass_before >= top_ps * kept_mass) & (top_ps < 1.0), 0.0)
+        probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+    if info.need_min_p_sampling:
+        max_probs = probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < info.min_ps.unsqueeze(1) * max_probs, 0.0)
+    return probs
+
+
+def reference_sample(logits: torch.Tensor, info: SamplingBatchInfo, u: torch.Tensor) -> torch.Tensor:
+    """Next ids [bs] by the full-sort sampler for uniforms `u` [bs] (logits already biased)."""
+    greedy = torch.argmax(logits, dim=-1)
+    if info.is_all_greedy:
+        return greedy
+    probs = reference_filter_probs(torch.softmax(logits / info.temperatures, dim=-1), info)
+    cdf = probs.to(torch.float64).cumsum(dim=-1)
+    ids = torch.searchsorted(cdf, (u.to(torch.float64) * cdf[:, -1]).unsqueeze(1), right=True).view(-1)
+    vocab = torch.arange(probs.shape[1], device=probs.device)
+    ids = torch.minimum(ids, torch.where(probs > 0, vocab, -1).amax(dim=-1))
+    return torch.where(info.greedy_mask, greedy, ids)
+
+
+def _truncated_probs(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """The sampler's renormalised distribution over the vocabulary, every row truncated."""
+    t = truncate(logits, info.groups.truncated)
+    ranks = torch.arange(t.weights.shape[1]).unsqueeze(0)
+    kept = torch.where(ranks < t.n_keep, t.weights, 0.0)
+    dense = torch.zeros_like(logits).scatter_(1, t.ids, kept)
+    return dense / dense.sum(dim=-1, keepdim=True)
+
+
+TRUNCATIONS = [
+    dict(top_k=40), dict(top_p=0.9), dict(top_k=40, top_p=0.9), dict(top_k=3, top_p=0.3),
+    dict(top_p=0.6, min_p=0.05), dict(top_k=100, top_p=0.95, min_p=0.01, temperature=0.7),
+    dict(top_k=1000, top_p=0.99, temperature=1.3), dict(top_k=7, min_p=0.2),
+]
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["one_setting", "mixed_rows"])
+def test_truncation_matches_the_full_sort_reference_on_random_logits(mixed):
+    vocab, bs = 1000, 16
+    for seed, setting in enumerate(TRUNCATIONS):
+        params = [SamplingParams(**(TRUNCATIONS[(seed + i) % len(TRUNCATIONS)] if mixed else setting))
+                  for i in range(bs)]
+        info = make_info(params, vocab=vocab)
+        logits = random_logits(bs, vocab, seed=seed) * (1 + torch.arange(bs).unsqueeze(1) / 4)
+        logits[0, ::3] = -math.inf  # a banned third of the vocabulary
+        want = reference_filter_probs(torch.softmax(logits / info.temperatures, dim=-1), info)
+        want = want / want.sum(dim=-1, keepdim=True)
+        got = _truncated_probs(logits, info)
+        assert torch.equal(got > 0, want > 0), f"candidate sets differ for {setting}"
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_truncated_draws_follow_the_reference_probabilities():
+    n = 20000
+    params = [SamplingParams(top_k=6, top_p=0.9, temperature=0.8, sampling_seed=s) for s in range(n)]
+    logits = logits_from_probs(SKEWED, n)
+    out = sample(logits, params, positions=[3] * n)
+    info = make_info(params[:1], vocab=8)
+    want = reference_filter_probs(torch.softmax(logits[:1] / info.temperatures, dim=-1), info)[0]
+    want = want / want.sum()
+    support = want > 0
+    counts = torch.bincount(out.next_token_ids, minlength=8).float()
+    assert torch.equal(counts > 0, support)
+    # chi-square with (|support| - 1) <= 5 degrees of freedom at p = 0.001
+    assert _chi_square(counts[support], want[support]) < 20.52
 
 
 # ------------------------------------------------------------- penalties

@@ -1,8 +1,14 @@
-"""Rotary position embedding (neox/rotate-half style) with default, linear and llama3 scaling."""
+"""Rotary position embedding (neox/rotate-half style) with default, linear and llama3 scaling.
+
+The cos/sin tables depend only on the RoPE configuration, so `get_rope` hands every layer (and
+every model) with the same configuration one shared module: one table in memory, counted once.
+"""
 
 from __future__ import annotations
 
+import json
 import math
+import weakref
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -32,7 +38,13 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: Dict[str, Any]) -> torch.T
 
 class RotaryEmbedding(nn.Module):
     """Precomputed cos/sin cache `[max_position, head_dim]`; `forward` rotates q and k in place
-    of HF's per-call computation."""
+    of HF's per-call computation.
+
+    The tables are non-persistent buffers: outside `state_dict` (nothing to load), but in
+    `buffers()`, so `module_nbytes` counts them, and once, since all layers share the module.
+    They are read-only after construction; moving or casting a model that shares them (`.to`)
+    would move them for every model that shares them too.
+    """
 
     def __init__(self, head_dim: int, max_position: int, base: float,
                  rope_scaling: Optional[Dict[str, Any]] = None, dtype: torch.dtype = torch.float32):
@@ -68,6 +80,20 @@ class RotaryEmbedding(nn.Module):
         return q, k
 
 
+# One RoPE module per configuration, held weakly: an entry lives exactly as long as some model
+# holds its module, so the cache never grows past the models alive and there is nothing to reset.
+_ROPE_CACHE: "weakref.WeakValueDictionary[tuple, RotaryEmbedding]" = weakref.WeakValueDictionary()
+
+
 def get_rope(head_dim: int, max_position: int, base: float, rope_scaling: Optional[Dict[str, Any]],
              dtype: torch.dtype) -> RotaryEmbedding:
-    return RotaryEmbedding(head_dim, max_position, base, rope_scaling, dtype)
+    """The shared `RotaryEmbedding` for this configuration on the current default device (the one
+    `get_model` builds under). The rotary dimension is `head_dim` (no partial rotary here)."""
+    device = torch.empty(0).device
+    scaling = json.dumps(rope_scaling, sort_keys=True, default=repr)
+    key = (head_dim, max_position, float(base), scaling, dtype, device)
+    rope = _ROPE_CACHE.get(key)
+    if rope is None:
+        rope = RotaryEmbedding(head_dim, max_position, base, rope_scaling, dtype)
+        _ROPE_CACHE[key] = rope
+    return rope

@@ -5,7 +5,11 @@ Choices:
   * Logprobs are `log_softmax` of the logits *after* penalties, logit_bias and bans but *before*
     temperature and top-k/top-p/min-p, so they describe the model (plus the user's explicit
     edits), not the sampling knobs, and greedy and sampled requests report on the same scale.
-  * Each sampled row draws one uniform u and inverts the float64 CDF of its filtered probs.
+  * Rows take one of three paths (srt/sampling/sampling_groups.py), each row by its own
+    parameters: greedy rows only argmax; top-k/top-p rows keep their best K candidates
+    (`torch.topk`, K = the largest top_k among them; a full sort when one has no top-k) and
+    apply top-p and min-p to those alone; plain rows (temperature, min-p) use the whole vocabulary.
+  * Each sampled row draws one uniform u and inverts the float32 CDF of its kept candidates.
     Unseeded rows take u from torch's global RNG; seeded rows take it from a counter-based hash
     of (seed, position), so a seeded request's draw depends on nothing else in the batch.
 """
@@ -19,6 +23,7 @@ import torch
 from torch import nn
 
 from srt.sampling.sampling_batch_info import SamplingBatchInfo
+from srt.sampling.sampling_groups import SamplingGroup
 from kernels.device_utils import host_to_device
 
 _MASK32 = 0xFFFFFFFF
@@ -111,15 +116,10 @@ class Sampler(nn.Module):
             f"logits {tuple(logits.shape)} do not match a batch of {info.batch_size}"
         )
         info.apply_logits_bias(logits)
-        greedy_ids = torch.argmax(logits, dim=-1)
         if info.is_all_greedy:
-            next_ids = greedy_ids
+            next_ids = torch.argmax(logits, dim=-1)
         else:
-            probs = torch.softmax(logits / info.temperatures, dim=-1)
-            probs = filter_probs(probs, info)
-            u = _uniforms(info, positions)
-            sampled = sample_from_probs(probs, u)
-            next_ids = torch.where(info.greedy_mask, greedy_ids, sampled)
+            next_ids = _sample_rows(logits, info, _uniforms(info, positions))
         return self._with_logprobs(
             next_ids, logits, return_logprob, top_logprobs_nums, token_ids_logprob
         )
@@ -149,44 +149,91 @@ class Sampler(nn.Module):
         return out
 
 
-def filter_probs(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-    """Zero the tokens that top-k, then top-p, then min-p exclude; rows are not renormalised.
+def _sample_rows(logits: torch.Tensor, info: SamplingBatchInfo, u: torch.Tensor) -> torch.Tensor:
+    """Next token of every row ([bs] int64): argmax for greedy rows, a draw for the others."""
+    groups = info.groups
+    if groups.any_greedy:
+        next_ids = torch.argmax(logits, dim=-1)
+    else:
+        next_ids = torch.empty(info.batch_size, dtype=torch.int64, device=logits.device)
+    for group, draw in ((groups.truncated, sample_truncated), (groups.plain, sample_plain)):
+        if group is None:
+            continue
+        if group.rows is None:  # the whole batch takes this path
+            return draw(logits, group, u)
+        ids = draw(logits.index_select(0, group.rows), group, u.index_select(0, group.rows))
+        next_ids.index_copy_(0, group.rows, ids)
+    return next_ids
 
-    Each filter sees what the previous one kept, as in HF's warpers: top-p keeps the smallest
-    prefix (by probability) whose share of the *remaining* mass reaches top_p; the most likely
-    token always survives. Rows with neutral values are untouched.
+
+@dataclass
+class Truncation:
+    """Each row's best candidates, most likely first, and how many of them it keeps.
+
+    `weights` are softmax numerators relative to the row's most likely token (that one is 1), so
+    they do not depend on how many candidates the batch takes. Top-k, top-p and min-p each keep
+    a prefix of this order, so the kept set is ranks [0, n_keep).
     """
-    if info.need_top_k_sampling or info.need_top_p_sampling:
-        sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
-        if info.need_top_k_sampling:
-            ranks = torch.arange(probs.shape[1], device=probs.device)
-            sorted_probs.masked_fill_(ranks.unsqueeze(0) >= info.top_ks.unsqueeze(1), 0.0)
-        if info.need_top_p_sampling:
-            kept_mass = sorted_probs.sum(dim=-1, keepdim=True)
-            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-            top_ps = info.top_ps.unsqueeze(1)
-            drop = (mass_before >= top_ps * kept_mass) & (top_ps < 1.0)
-            sorted_probs.masked_fill_(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
-    if info.need_min_p_sampling:
-        max_probs = probs.max(dim=-1, keepdim=True).values
-        probs = probs.masked_fill(probs < info.min_ps.unsqueeze(1) * max_probs, 0.0)
-    return probs
+
+    ids: torch.Tensor  # [n, K] int64 token ids
+    weights: torch.Tensor  # [n, K] float32
+    cdf: torch.Tensor  # [n, K] float32: cumulative weights
+    n_keep: torch.Tensor  # [n, 1] int64, in [1, K]
 
 
-def sample_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF draw: the first token whose cumulative mass exceeds u * total ([bs] int64).
+def truncate(logits: torch.Tensor, group: SamplingGroup) -> Truncation:
+    """Top-k, then top-p, then min-p, on the `group.candidates` best tokens of each row.
 
-    float64 keeps tail tokens' slices of the CDF their true width. The clamp guards against
-    rounding putting u * total at or past the end: it picks the last token with mass, never a
-    zero-probability one.
+    As in HF's warpers each filter sees what the previous one kept: top-p keeps the smallest
+    prefix whose share of the top-k mass reaches top_p (the most likely token always survives);
+    min-p drops tokens below min_p times the most likely one's probability. Which of several
+    tokens tied exactly at the top-k boundary survive is `torch.topk`'s choice (a full sort, used
+    when K is the whole vocabulary, keeps the lower ids).
     """
-    cdf = probs.to(torch.float64).cumsum(dim=-1)
-    target = (u.to(torch.float64) * cdf[:, -1]).unsqueeze(1)
-    ids = torch.searchsorted(cdf, target, right=True).view(-1)
-    vocab = torch.arange(probs.shape[1], device=probs.device)
-    last_nonzero = torch.where(probs > 0, vocab, -1).amax(dim=-1)
-    return torch.minimum(ids, last_nonzero)
+    k = group.candidates
+    if k >= logits.shape[1]:
+        values, ids = logits.sort(dim=-1, descending=True, stable=True)
+    else:
+        values, ids = logits.topk(k, dim=-1)
+    weights = torch.exp((values - values[:, :1]) / group.temperatures)
+    cdf = weights.cumsum(dim=-1)
+    ranks = torch.arange(k, device=logits.device)
+    kept = ranks.unsqueeze(0) < group.top_ks.unsqueeze(1)
+    if group.need_top_p:
+        top_k_mass = cdf.gather(1, (group.top_ks - 1).unsqueeze(1))
+        mass_before = cdf - weights
+        top_ps = group.top_ps.unsqueeze(1)
+        kept &= (mass_before < top_ps * top_k_mass) | (top_ps >= 1.0)
+    if group.need_min_p:
+        kept &= weights >= group.min_ps.unsqueeze(1)
+    n_keep = kept.sum(dim=-1, keepdim=True).clamp_(min=1)
+    return Truncation(ids=ids, weights=weights, cdf=cdf, n_keep=n_keep)
+
+
+def sample_truncated(logits: torch.Tensor, group: SamplingGroup, u: torch.Tensor) -> torch.Tensor:
+    """Draw among each row's kept candidates ([n] int64 token ids)."""
+    t = truncate(logits, group)
+    pick = _invert_cdf(t.cdf, t.cdf.gather(1, t.n_keep - 1), u)
+    return t.ids.gather(1, pick).view(-1)
+
+
+def sample_plain(logits: torch.Tensor, group: SamplingGroup, u: torch.Tensor) -> torch.Tensor:
+    """Draw over the whole vocabulary in token-id order, min-p applied in place ([n] int64)."""
+    weights = torch.exp((logits - logits.amax(dim=-1, keepdim=True)) / group.temperatures)
+    if group.need_min_p:
+        weights.masked_fill_(weights < group.min_ps.unsqueeze(1), 0.0)
+    cdf = weights.cumsum(dim=-1)
+    return _invert_cdf(cdf, cdf[:, -1:], u).view(-1)
+
+
+def _invert_cdf(cdf: torch.Tensor, total: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """[n, 1] index of the first entry whose cumulative weight exceeds u * total.
+
+    The target is kept strictly below `total`, so the entry found has weight > 0 and lies within
+    the kept prefix (rounding of u * total can never land on a dropped or zero-weight token).
+    """
+    target = torch.minimum(u.to(cdf.dtype).unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[1] - 1)
 
 
 def _uniforms(info: SamplingBatchInfo, positions: Optional[torch.Tensor]) -> torch.Tensor:

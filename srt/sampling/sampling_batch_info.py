@@ -1,21 +1,21 @@
 """`SamplingBatchInfo`: the sampling parameters of a running batch as tensors on the model's device.
 
-Per-request Python work happens once, in `from_params`; each decode step then costs a handful of
-batched tensor ops (`apply_logits_bias`, the sampler, `cumulate_output_tokens`), whatever the batch
-size. Two ways to drive it:
-  * rebuild every step with `from_params(..., output_ids=...)`, or
-  * build once per batch, call `cumulate_output_tokens(next_ids)` after each step, and
-    `filter_batch` / `merge_batch` when requests finish or join.
+Per-request Python work happens once per request, in `from_params`; each decode step then costs a
+handful of batched tensor ops (`apply_logits_bias`, the sampler, `cumulate_output_tokens`),
+whatever the batch size. The running batch builds it once, calls `cumulate_output_tokens(next_ids)`
+after each step, `filter_batch` when requests leave and `merge_batch` when newly prefilled ones
+join; flags and row groups are re-derived from the host-side `params`, never read from the device.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, List, Optional, Sequence, Set, Union
 
 import torch
 
 from srt.sampling.penaltylib import PenaltyState
+from srt.sampling.sampling_groups import SamplingGroups, clamp_top_k, split_rows
 from srt.sampling.sampling_params import SamplingParams, fold_seed
 from kernels.device_utils import host_to_device
 
@@ -29,7 +29,8 @@ class SamplingBatchInfo:
     Greedy rows (temperature < 1e-6 or top_k == 1) hold temperature 1.0 so that scaling never
     divides by zero; the sampler takes their argmax regardless. `top_ks` is already clamped to
     [1, vocab_size] (-1 -> vocab_size). `seeds` hold each request's `sampling_seed` folded to
-    int64 and are meaningful only where `has_seed`.
+    int64 and are meaningful only where `has_seed`. `params` are the rows' `SamplingParams` (host
+    side): every flag and `groups` (which sampler path each row takes) is derived from them.
     """
 
     temperatures: torch.Tensor  # [bs, 1] float32
@@ -56,6 +57,8 @@ class SamplingBatchInfo:
     # Grammar-constrained decoding: True = token not allowed this step. Set per step by the
     # grammar backend; filter_batch keeps it, merge_batch drops it (it must be recomputed).
     vocab_mask: Optional[torch.Tensor] = None
+    params: List[SamplingParams] = field(default_factory=list)
+    groups: SamplingGroups = field(default_factory=lambda: SamplingGroups(any_greedy=True))
 
     @property
     def batch_size(self) -> int:
@@ -82,8 +85,7 @@ class SamplingBatchInfo:
         if output_ids is not None:
             assert len(output_ids) == bs, f"{len(output_ids)} output_ids rows for {bs} requests"
         greedy = [p.is_greedy for p in params]
-        top_ks = [vocab_size if (p.top_k < 0 or p.top_k > vocab_size) else p.top_k for p in params]
-        sampled = [i for i in range(bs) if not greedy[i]]
+
         def rows(values, dtype):  # host lists -> one pinned, non-blocking copy each
             return host_to_device(values, dtype, device)
 
@@ -91,7 +93,7 @@ class SamplingBatchInfo:
             temperatures=rows([1.0 if g else float(p.temperature) for p, g in zip(params, greedy)],
                               torch.float32).view(bs, 1),
             top_ps=rows([float(p.top_p) for p in params], torch.float32),
-            top_ks=rows(top_ks, torch.int64),
+            top_ks=rows([clamp_top_k(p.top_k, vocab_size) for p in params], torch.int64),
             min_ps=rows([float(p.min_p) for p in params], torch.float32),
             greedy_mask=rows(greedy, torch.bool),
             seeds=rows([fold_seed(p.sampling_seed) if p.sampling_seed is not None else 0 for p in params],
@@ -101,17 +103,14 @@ class SamplingBatchInfo:
                              torch.int64),
             vocab_size=vocab_size,
             device=device,
-            is_all_greedy=not sampled,
-            need_top_p_sampling=any(params[i].top_p < 1.0 for i in sampled),
-            need_top_k_sampling=any(top_ks[i] < vocab_size for i in sampled),
-            need_min_p_sampling=any(params[i].min_p > 0.0 for i in sampled),
-            any_seeded=any(p.sampling_seed is not None for p in params),
+            params=list(params),
         )
         info.penalties = PenaltyState.build(params, output_ids, vocab_size, device)
         info.logit_bias = _build_logit_bias(params, vocab_size, device)
         if any(p.min_new_tokens > 0 for p in params):
             info.min_new_tokens = host_to_device([p.min_new_tokens for p in params], torch.int64, device)
             info.stop_token_mask = _build_stop_token_mask(params, stop_token_ids, vocab_size, device)
+        info._refresh_flags()
         return info
 
     # -------------------------------------------------------------- per step
@@ -136,17 +135,21 @@ class SamplingBatchInfo:
 
     # ------------------------------------------------------ batch composition
     def filter_batch(self, keep_indices: Indices) -> None:
-        """Keep only rows `keep_indices` (in that order), e.g. after requests finish."""
-        if isinstance(keep_indices, torch.Tensor):
-            keep = keep_indices.to(device=self.device, dtype=torch.int64)
-        else:
-            keep = host_to_device(list(keep_indices), torch.int64, self.device)
+        """Keep only rows `keep_indices` (in that order), e.g. after requests finish. State no kept
+        row uses (penalties, logit_bias, min_new_tokens) is dropped, as a fresh build would."""
+        keep_list = keep_indices.tolist() if isinstance(keep_indices, torch.Tensor) else list(keep_indices)
+        keep = host_to_device(keep_list, torch.int64, self.device)
         for name in _ROW_TENSORS:
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, value[keep])
+        self.params = [self.params[i] for i in keep_list]
         if self.penalties is not None:
-            self.penalties.filter(keep)
+            self.penalties = self.penalties.filter(keep, self.params)
+        if not any(p.logit_bias for p in self.params):
+            self.logit_bias = None
+        if not any(p.min_new_tokens > 0 for p in self.params):
+            self.min_new_tokens = self.stop_token_mask = None
         self._refresh_flags()
 
     def merge_batch(self, other: "SamplingBatchInfo") -> None:
@@ -176,17 +179,19 @@ class SamplingBatchInfo:
                 _or_zeros(other.min_new_tokens, other_bs, None, torch.int64, self.device),
             ])
         self.vocab_mask = None
+        self.params = self.params + other.params
         self._refresh_flags()
 
     def _refresh_flags(self) -> None:
-        """Re-derive the host flags after filter/merge (reads the device: not a per-step path;
-        the scheduler rebuilds with `from_params` instead)."""
-        sampled = ~self.greedy_mask
-        self.is_all_greedy = not bool(sampled.any())
-        self.need_top_p_sampling = bool((sampled & (self.top_ps < 1.0)).any())
-        self.need_top_k_sampling = bool((sampled & (self.top_ks < self.vocab_size)).any())
-        self.need_min_p_sampling = bool((sampled & (self.min_ps > 0.0)).any())
-        self.any_seeded = bool(self.has_seed.any())
+        """Re-derive the host flags and row groups from `params` (no device read)."""
+        vocab = self.vocab_size
+        sampled = [p for p in self.params if not p.is_greedy]
+        self.is_all_greedy = not sampled
+        self.need_top_p_sampling = any(p.top_p < 1.0 for p in sampled)
+        self.need_top_k_sampling = any(clamp_top_k(p.top_k, vocab) < vocab for p in sampled)
+        self.need_min_p_sampling = any(p.min_p > 0.0 for p in sampled)
+        self.any_seeded = any(p.sampling_seed is not None for p in self.params)
+        self.groups = split_rows(self, self.params)
 
 
 _ROW_TENSORS = (

@@ -2,13 +2,17 @@
 budget, the `--max-prefill-tokens` cap, the running-request slots and chunked prefill.
 
 It only decides and locks admitted prefixes; the scheduler allocates KV afterwards (evicting
-unlocked tree nodes as needed, which is why evictable tokens count in the budget).
+unlocked tree nodes as needed, which is why evictable tokens count in the budget). Under every
+schedule policy it also defers requests that would compute a prefix another request of the same
+batch is computing (`InBatchPrefixIndex`).
 """
 
 from __future__ import annotations
 
 import enum
 from typing import TYPE_CHECKING, List, Optional, Sequence
+
+from mem_cache.radix_cache import RadixCache, RadixKey
 
 if TYPE_CHECKING:
     from managers.req import Req
@@ -17,6 +21,13 @@ if TYPE_CHECKING:
 # clamped to the context) would otherwise make admission absurdly conservative. It only affects
 # the estimate, never the request's real stop condition.
 CLIP_MAX_NEW_TOKENS = 4096
+
+# In-batch prefix sharing: a request that would compute at least this many prompt tokens that a
+# request already admitted this round is computing waits for the next round and takes them from
+# the cache. Waiting costs it one prefill step; below this, recomputing is cheaper than the wait.
+# (Higher than SGLang's lpm threshold of 32, which only reorders the queue and never holds a
+# request out of a batch.)
+IN_BATCH_PREFIX_MIN_TOKENS = 64
 
 
 class AddReqResult(enum.Enum):
@@ -32,6 +43,30 @@ def reserved_decode_tokens(req: Req) -> int:
     """Tokens a request may still generate, clipped to `CLIP_MAX_NEW_TOKENS`."""
     left = req.sampling_params.max_new_tokens - len(req.output_ids)
     return min(max(left, 0), CLIP_MAX_NEW_TOKENS)
+
+
+class InBatchPrefixIndex:
+    """The prompts that requests admitted this round are computing, as a scratch radix tree of
+    token ids (no KV), so that a later candidate can ask how much of its *uncached* prompt would
+    be computed twice. Built on first use: a round without admissions costs nothing."""
+
+    def __init__(self) -> None:
+        self._tree: Optional[RadixCache] = None
+
+    def add(self, req: Req) -> None:
+        """Record `req`'s whole prompt and outputs (all of a chunked request's later chunks too)."""
+        if self._tree is None:
+            self._tree = RadixCache(None, None)  # tree-only: the values are the token ids
+        self._tree.insert(RadixKey(req.origin_input_ids + req.output_ids, req.extra_key))
+
+    def shared_uncached_len(self, req: Req) -> int:
+        """Tokens beyond `req`'s cached prefix (after `init_next_round_input`) that a recorded
+        request computes, counted only as far as `req` may take them from the cache
+        (`max_prefix_len`): tokens it must recompute anyway are no reason to wait."""
+        if self._tree is None:
+            return 0
+        match = self._tree.match_prefix(RadixKey(req.origin_input_ids + req.output_ids, req.extra_key))
+        return min(len(match.device_indices), req.max_prefix_len()) - len(req.prefix_indices)
 
 
 class PrefillAdder:
@@ -54,6 +89,16 @@ class PrefillAdder:
     `rem_running_slots`: how many *new* requests may still start running; the continued chunked
     request (`add_chunked_req`) does not take one (the scheduler already counted it).
     `chunked_prefill_size` None or <= 0 (-1) disables chunking.
+
+    In-batch prefix sharing (any policy): a candidate that shares at least
+    `in_batch_prefix_min_tokens` uncached tokens with a request admitted this round (the continued
+    chunked one included, with all its remaining chunks) is deferred: `add_one_req` returns
+    CONTINUE without admitting it (it is in `deferred_reqs`), so the requests behind it are still
+    tried. It cannot empty the batch (it only waits behind a request in it; the first request of
+    a group always goes) nor wait forever: that request puts the shared tokens into the tree,
+    locked while it runs, so unless they are evicted meanwhile each deferral grows the waiting
+    request's cached prefix by at least the threshold. With the cache disabled
+    (`tree_cache.disable`) nothing is shared and nothing is deferred.
     """
 
     def __init__(
@@ -66,6 +111,7 @@ class PrefillAdder:
         max_prefill_tokens: int,
         chunked_prefill_size: Optional[int],
         rem_running_slots: int,
+        in_batch_prefix_min_tokens: int = IN_BATCH_PREFIX_MIN_TOKENS,
     ):
         self.page_size = page_size
         self.tree_cache = tree_cache
@@ -82,6 +128,10 @@ class PrefillAdder:
         self.new_chunked_req: Optional[Req] = None
         self.log_input_tokens = 0  # sum of extend_input_len admitted this round
         self.log_hit_tokens = 0  # sum of cached prefix lengths of newly admitted requests
+        sharing = not getattr(tree_cache, "disable", False) and in_batch_prefix_min_tokens > 0
+        self.in_batch_prefix: Optional[InBatchPrefixIndex] = InBatchPrefixIndex() if sharing else None
+        self.in_batch_prefix_min_tokens = in_batch_prefix_min_tokens
+        self.deferred_reqs: List[Req] = []  # waiting for a prefix a request of this batch computes
 
     # ------------------------------------------------------------------ budgets
     @property
@@ -115,8 +165,19 @@ class PrefillAdder:
         )
         return AddReqResult.OTHER if exhausted else AddReqResult.CONTINUE
 
+    def _should_defer(self, req: Req) -> bool:
+        """Whether `req` would compute enough of what an admitted request computes to wait."""
+        if self.in_batch_prefix is None:
+            return False
+        if self.in_batch_prefix.shared_uncached_len(req) < self.in_batch_prefix_min_tokens:
+            return False
+        assert self.can_run_list, f"{req.rid} deferred behind a request that is not in the batch"
+        return True
+
     def _take(self, req: Req, prefix_len: int, chunk: int, extend_len: int) -> None:
         """Append `req` with `chunk` of its `extend_len` remaining tokens and charge the budgets."""
+        if self.in_batch_prefix is not None:
+            self.in_batch_prefix.add(req)
         req.extend_input_len = chunk
         req.fill_ids = req.fill_ids[: prefix_len + chunk]
         self.can_run_list.append(req)
@@ -151,10 +212,15 @@ class PrefillAdder:
         The first request of a round is never blocked by `--max-prefill-tokens`. A request longer
         than the chunk budget is admitted as a page-aligned partial chunk (`new_chunked_req`,
         result OTHER) unless another chunked request is in flight. On admission its `last_node`
-        is locked and `cache_protected_len = len(prefix_indices)`.
+        is locked and `cache_protected_len = len(prefix_indices)`. A request deferred for
+        in-batch prefix sharing (class docstring) gets CONTINUE, before any budget is checked:
+        it does not run this round whatever they say, and its cost will be lower next round.
         """
         if self.rem_running_slots <= 0:
             return AddReqResult.OTHER
+        if self._should_defer(req):
+            self.deferred_reqs.append(req)
+            return AddReqResult.CONTINUE
         prefix_len = len(req.prefix_indices)
         extend_len = req.extend_input_len
         # Decode tokens fill the prompt's last page first (prefixes are whole pages), so the exact

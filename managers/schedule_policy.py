@@ -1,5 +1,6 @@
 """`SchedulePolicy`: the order in which waiting requests are offered to the `PrefillAdder`
-(`--schedule-policy`). The adder itself lives in `managers/prefill_adder.py`.
+(`--schedule-policy`). The adder itself, and the in-batch prefix sharing that applies under
+every policy, live in `managers/prefill_adder.py`.
 """
 
 from __future__ import annotations
@@ -8,8 +9,9 @@ import random
 from collections import defaultdict
 from typing import TYPE_CHECKING, Dict, List, Optional, Set
 
-from managers.prefill_adder import CLIP_MAX_NEW_TOKENS, AddReqResult, PrefillAdder
-from mem_cache.radix_cache import RadixCache, RadixKey
+from managers.prefill_adder import (
+    CLIP_MAX_NEW_TOKENS, IN_BATCH_PREFIX_MIN_TOKENS, AddReqResult, InBatchPrefixIndex, PrefillAdder,
+)
 
 if TYPE_CHECKING:
     from managers.req import Req
@@ -23,11 +25,6 @@ CACHE_AGNOSTIC_POLICIES = ("fcfs", "lof", "random")
 # waiting request against the tree each round would cost more than it saves.
 CACHE_AWARE_MAX_QUEUE = 128
 
-# lpm in-batch de-duplication: a waiting request that shares at least this many tokens beyond its
-# own cached prefix with an earlier waiting request is pushed back, so that it runs after that
-# request has put the shared prefix into the cache and then hits it.
-IN_BATCH_PREFIX_MIN_TOKENS = 32
-
 
 class SchedulePolicy:
     """Sorts the waiting queue in place each round (`calc_priority`).
@@ -36,13 +33,17 @@ class SchedulePolicy:
       of newer ones.
     - lof: largest `max_new_tokens` first (stable).
     - random: a shuffle drawn from `rng` (default: `random.Random(0)`, reproducible).
-    - lpm: longest cached prefix first, with in-batch de-duplication (see
-      `IN_BATCH_PREFIX_MIN_TOKENS`); ties in arrival order.
+    - lpm: longest cached prefix first, except that a request sharing at least
+      `IN_BATCH_PREFIX_MIN_TOKENS` uncached tokens with an earlier waiting request goes to the
+      back (`deferred_sharers`), so the budget goes to requests that do not wait anyway; ties
+      in arrival order.
     - dfs-weight: depth-first over the radix tree, heavier subtrees (more waiting requests whose
       match ends inside) first, so requests sharing a prefix run together.
     lpm and dfs-weight call `req.init_next_round_input(tree_cache)` for every waiting request
     (fresh, unlocked matches). They act as fcfs when the cache is disabled and, when
     `enable_priority_fallback`, when more than `CACHE_AWARE_MAX_QUEUE` requests wait.
+    Whatever the order, the `PrefillAdder` holds back a request that would recompute what a
+    request admitted in the same batch computes.
     """
 
     def __init__(
@@ -91,18 +92,16 @@ class SchedulePolicy:
     # ------------------------------------------------------------------ lpm
     @staticmethod
     def deferred_sharers(waiting_queue: List[Req]) -> Set[int]:
-        """`id()`s of requests to push back: in arrival order, each request is matched against a
-        scratch tree of the earlier, not deferred, waiting requests; it is deferred when that
-        match is at least `IN_BATCH_PREFIX_MIN_TOKENS` longer than its own cached prefix."""
-        scratch = RadixCache(None, None)  # tree-only: values are the token ids themselves
+        """`id()`s of requests to push back: in arrival order, each request is matched against the
+        earlier, not deferred, waiting requests (`InBatchPrefixIndex`); it is deferred when they
+        share at least `IN_BATCH_PREFIX_MIN_TOKENS` tokens beyond its own cached prefix."""
+        index = InBatchPrefixIndex()
         deferred: Set[int] = set()
         for req in sorted(waiting_queue, key=lambda r: r.created_time):
-            key = RadixKey(req.fill_ids, req.extra_key)
-            shared = len(scratch.match_prefix(key).device_indices)
-            if shared - len(req.prefix_indices) >= IN_BATCH_PREFIX_MIN_TOKENS:
+            if index.shared_uncached_len(req) >= IN_BATCH_PREFIX_MIN_TOKENS:
                 deferred.add(id(req))
             else:
-                scratch.insert(key)
+                index.add(req)
         return deferred
 
     def _sort_by_longest_prefix(self, waiting_queue: List[Req]) -> None:

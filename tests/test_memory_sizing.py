@@ -13,8 +13,8 @@ from mem_cache.memory_pool import MHATokenToKVPool
 from model_utils import greedy_run, make_runner
 from srt.model_executor import model_runner as model_runner_module
 from srt.model_executor.memory_sizing import (
-    GiB, MiB, REQ_TO_TOKEN_BUDGET_BYTES, REQ_TO_TOKEN_MAX_ROWS, KVCacheMemoryError, MemoryReading,
-    compute_kv_budget, default_mem_fraction_static, module_nbytes, read_free_memory,
+    CPU_DEFAULT_MAX_RUNNING_REQUESTS, GiB, MiB, REQ_TO_TOKEN_BUDGET_BYTES, REQ_TO_TOKEN_MAX_ROWS, KVCacheMemoryError,
+    MemoryReading, compute_kv_budget, cpu_pool_need, default_mem_fraction_static, module_nbytes, read_free_memory,
 )
 from srt.model_executor.model_runner import ModelRunner
 from srt.server_args import ServerArgs
@@ -30,8 +30,10 @@ def budget(pre=10 * GiB, avail=9 * GiB, fraction=0.5, cell=1024, page=1, context
 
 # --- T ------------------------------------------------------------------------------------------
 
+# On CUDA the pool is the fraction's; on CPU it is also capped by need (tests/test_pool_sizing.py).
+
 def test_pool_holds_rest_over_cell_size_tokens():
-    b = budget(pre=10 * GiB, avail=9 * GiB, fraction=0.5, cell=1024)
+    b = budget(pre=10 * GiB, avail=9 * GiB, fraction=0.5, cell=1024, kind="cuda")
     rest = 9 * GiB - 5 * GiB
     assert b.rest_bytes == rest
     assert b.weight_bytes == GiB
@@ -40,7 +42,7 @@ def test_pool_holds_rest_over_cell_size_tokens():
 
 
 def test_pool_is_rounded_down_to_a_page_multiple():
-    b = budget(cell=1000, page=16)
+    b = budget(cell=1000, page=16, kind="cuda")
     t0 = (4 * GiB) // 1000
     assert t0 % 16 != 0
     assert b.max_total_num_tokens == t0 // 16 * 16
@@ -74,7 +76,7 @@ def test_max_running_requests_flag_binds_when_below_the_table():
 
 
 def test_request_table_row_cap_bounds_a_large_pool():
-    b = budget(context=2048)
+    b = budget(context=2048, kind="cuda")
     assert b.max_running_requests == REQ_TO_TOKEN_MAX_ROWS
     assert "request-slot table" in b.running_bound
 
@@ -208,7 +210,7 @@ def test_host_memory_reading_is_positive_and_below_total():
 # --- log line and warning ------------------------------------------------------------------------------
 
 def test_log_line_states_each_size_and_its_bound(caplog):
-    b = budget(pre=10 * GiB, avail=9 * GiB, fraction=0.5, cell=1024, page=16, context=2048)
+    b = budget(pre=10 * GiB, avail=9 * GiB, fraction=0.5, cell=1024, page=16, context=2048, kind="cuda")
     with caplog.at_level(logging.INFO, logger=SIZING_LOGGER):
         b.log()
     infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
@@ -247,13 +249,13 @@ def test_runner_without_sizes_sizes_the_pool_from_host_memory(llama_model, caplo
     assert b.weight_bytes == module_nbytes(runner.model) > 0
     rest = int(b.pre_bytes - b.weight_bytes - b.pre_bytes * (1 - 0.3))
     assert b.rest_bytes == rest
-    T = runner.max_total_num_tokens
-    assert T == rest // cell
+    T, C = runner.max_total_num_tokens, cfg.context_len
+    need, _ = cpu_pool_need(None, REQ_TO_TOKEN_MAX_ROWS, C, 1)  # the tiny model's C leaves the row cap
+    assert T == min(rest // cell, need)
     assert runner.token_to_kv_pool.size == T
-    C = cfg.context_len
     assert runner.max_req_len == min(C - 1, T - 1)
     assert runner.max_req_input_len == runner.max_req_len - 5
-    assert runner.req_to_token_pool.size == runner.max_running_requests == min(T // 2, REQ_TO_TOKEN_MAX_ROWS)
+    assert runner.req_to_token_pool.size == runner.max_running_requests == CPU_DEFAULT_MAX_RUNNING_REQUESTS
     assert any(r.getMessage().startswith(f"KV cache: T={T} tokens") for r in caplog.records)
     toks, _ = greedy_run(runner, [[5, 6, 7, 8]], steps=2)
     assert len(toks[0]) == 3

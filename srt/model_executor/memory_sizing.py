@@ -2,7 +2,8 @@
 turn it into T KV slots, the request-slot count and the per-request length limits.
 
 `compute_kv_budget` is pure arithmetic on the measurements, so tests can simulate any machine;
-`read_free_memory` / `free_memory_after_load` are the thin measuring side.
+`read_free_memory` / `free_memory_after_load` are the thin measuring side. On CPU the pool is
+sized by need (`cpu_pool_need`), capped by the memory fraction.
 """
 
 from __future__ import annotations
@@ -26,6 +27,16 @@ MiB = 1 << 20
 # shared with the OS, the tokenizer and detokenizer processes and, in tests, several servers at
 # once, so most of it stays free. The pool is `torch.empty`, so untouched slots cost no RAM.
 CPU_DEFAULT_MEM_FRACTION_STATIC = 0.3
+# CPU without --max-total-tokens: the pool is what the running requests can use, capped by the
+# fraction (host RAM is shared; the fraction alone gave a 1M-parameter model with C=512 a pool of
+# 6.9M tokens). need = max_running_requests x C x CPU_POOL_REUSE_FACTOR: every running request at
+# the full context, and as much again for the radix cache to keep finished requests' prefixes.
+# max_running_requests defaults to T // 2, which would make the need circular, so on this path
+# its default is CPU_DEFAULT_MAX_RUNNING_REQUESTS (more than a CPU decodes at once to any gain),
+# and that is then also the default cap on running requests. CUDA memory is the server's alone:
+# there the whole fraction goes to the pool, as in SGLang.
+CPU_DEFAULT_MAX_RUNNING_REQUESTS = 256
+CPU_POOL_REUSE_FACTOR = 2
 # CUDA: what stays outside the static budget must hold the activations of one prefill chunk,
 # the sampler's logits, the attention workspace and allocator fragmentation. We keep at least
 # CUDA_RESERVED_MIN_BYTES (enough for an 8192-token chunk of a ~8B model) and at least 12% of
@@ -101,6 +112,7 @@ class KVBudget:
     weight_bytes: Optional[int] = None
     rest_bytes: Optional[int] = None
     warnings: Tuple[str, ...] = ()
+    other_bound: str = ""  # the pool bound that did not apply and what it would give (CPU sizing)
 
     def to_dict(self) -> dict:
         """The arithmetic as plain numbers and texts (for `/get_server_info` and `check_config`)."""
@@ -115,9 +127,10 @@ class KVBudget:
 
     @property
     def log_line(self) -> str:
+        bounds = self.total_bound + (f"; {self.other_bound}" if self.other_bound else "")
         line = (
             f"KV cache: T={self.max_total_num_tokens} tokens ({fmt_gib(self.kv_bytes)}, bound by "
-            f"{self.total_bound}), page_size={self.page_size}, C={self.context_len}, "
+            f"{bounds}), page_size={self.page_size}, C={self.context_len}, "
             f"max_req_input_len={self.max_req_input_len} (bound by {self.input_bound}), "
             f"max_running_requests={self.max_running_requests} (bound by {self.running_bound})"
         )
@@ -150,10 +163,45 @@ def compute_kv_budget(
 
     `rest = avail - pre * (1 - mem_fraction_static)` bytes go to the KV pool, `cell_size` bytes
     per token; `max_total_tokens` / `max_running_requests` are the user's caps (None: no cap).
+    On CPU without `max_total_tokens` the pool is also capped by `cpu_pool_need`; `other_bound`
+    then says what the bound that did not apply would give.
     Raises `KVCacheMemoryError` when the weights leave nothing or the pool holds no page.
     """
     if not 0 < mem_fraction_static <= 1:
         raise ValueError(f"--mem-fraction-static must be in (0, 1), got {mem_fraction_static}.")
+    pre_bytes, avail_bytes, notes = _clamp_readings(pre_bytes, avail_bytes, device_kind)
+    weight_bytes = pre_bytes - avail_bytes
+    rest = int(avail_bytes - pre_bytes * (1 - mem_fraction_static))
+    if rest <= 0:
+        raise KVCacheMemoryError(_no_room_message(pre_bytes, weight_bytes, mem_fraction_static,
+                                                  cell_size, context_len, device_kind))
+    t0 = rest // cell_size
+    need = None
+    if device_kind == "cpu" and max_total_tokens is None:
+        slots = req_slot_pool_size(context_len, device_kind, req_slot_budget_bytes)
+        need = cpu_pool_need(max_running_requests, slots, context_len, page_size)
+    total, bound, other = _pool_bound(t0, f"--mem-fraction-static={mem_fraction_static:g}", max_total_tokens, need)
+    rounded = total // page_size * page_size
+    if rounded <= 0:
+        raise KVCacheMemoryError(
+            "Not enough memory. Please try to increase --mem-fraction-static. "
+            f"The KV budget is {rest} bytes ({fmt_gib(rest)}) after {fmt_gib(weight_bytes)} of weights "
+            f"under --mem-fraction-static={mem_fraction_static:g}, one token needs a cell of {cell_size} "
+            f"bytes, so the pool holds {t0} tokens" + (f" (capped to {total} by {bound})" if total < t0 else "")
+            + f", less than one page of {page_size} tokens (--page-size)."
+            + (f" Raise --max-total-tokens to at least {page_size}." if total < t0 else "")
+        )
+    if rounded != total:
+        bound += f", rounded down to a multiple of page_size {page_size}"
+    budget = _finish(rounded, bound, max_running_requests, cell_size, page_size, context_len, device_kind,
+                     req_slot_budget_bytes, notes, cpu_default_running=need is not None,
+                     mem_fraction_static=mem_fraction_static, pre_bytes=pre_bytes, weight_bytes=weight_bytes,
+                     rest_bytes=rest)
+    return dataclasses.replace(budget, other_bound=other) if other else budget
+
+
+def _clamp_readings(pre_bytes: int, avail_bytes: int, device_kind: str) -> Tuple[int, int, List[str]]:
+    """Odd measurements made usable (negative: 0; growing while loading: no weights), with a note each."""
     notes: List[str] = []
     mem = _memory_word(device_kind)
     if pre_bytes < 0:
@@ -168,31 +216,38 @@ def compute_kv_budget(
             f"{fmt_gib(avail_bytes)}; another process freed memory?); counting the weights as 0 bytes."
         )
         avail_bytes = pre_bytes
-    weight_bytes = pre_bytes - avail_bytes
-    rest = int(avail_bytes - pre_bytes * (1 - mem_fraction_static))
-    if rest <= 0:
-        raise KVCacheMemoryError(_no_room_message(pre_bytes, weight_bytes, mem_fraction_static,
-                                                  cell_size, context_len, device_kind))
-    t0 = rest // cell_size
+    return pre_bytes, avail_bytes, notes
+
+
+def _pool_bound(t0: int, fraction_bound: str, max_total_tokens: Optional[int],
+                need: Optional[Tuple[int, str]]) -> Tuple[int, str, str]:
+    """(tokens, the bound that applied, the one that did not and what it gives): the smallest of
+    the fraction's `t0`, the flag and the need; an explicit --max-total-tokens replaces the need."""
     if max_total_tokens is not None and max_total_tokens < t0:
-        total, bound = max_total_tokens, f"--max-total-tokens={max_total_tokens}"
+        return max_total_tokens, f"--max-total-tokens={max_total_tokens}", ""
+    if need is None:
+        return t0, fraction_bound, ""
+    tokens, why = need
+    if tokens < t0:
+        return tokens, f"need: {why}", f"{fraction_bound} would allow {t0}"
+    return t0, fraction_bound, f"the need, {why}, is {tokens}"
+
+
+def cpu_pool_need(max_running_requests: Optional[int], slots: int, context_len: int,
+                  page_size: int) -> Tuple[int, str]:
+    """(tokens, why): the pool a CPU server can use, `max_running_requests` (given, or
+    `CPU_DEFAULT_MAX_RUNNING_REQUESTS`; at most the `slots` request rows) requests of the full
+    context `CPU_POOL_REUSE_FACTOR` times over, rounded up to whole pages."""
+    if max_running_requests is not None:
+        running, source = min(max_running_requests, slots), f"--max-running-requests={max_running_requests}"
     else:
-        total, bound = t0, f"--mem-fraction-static={mem_fraction_static:g}"
-    rounded = total // page_size * page_size
-    if rounded <= 0:
-        raise KVCacheMemoryError(
-            "Not enough memory. Please try to increase --mem-fraction-static. "
-            f"The KV budget is {rest} bytes ({fmt_gib(rest)}) after {fmt_gib(weight_bytes)} of weights "
-            f"under --mem-fraction-static={mem_fraction_static:g}, one token needs a cell of {cell_size} "
-            f"bytes, so the pool holds {t0} tokens" + (f" (capped to {total} by {bound})" if total < t0 else "")
-            + f", less than one page of {page_size} tokens (--page-size)."
-            + (f" Raise --max-total-tokens to at least {page_size}." if total < t0 else "")
-        )
-    if rounded != total:
-        bound += f", rounded down to a multiple of page_size {page_size}"
-    return _finish(rounded, bound, max_running_requests, cell_size, page_size, context_len, device_kind,
-                   req_slot_budget_bytes, notes, mem_fraction_static=mem_fraction_static,
-                   pre_bytes=pre_bytes, weight_bytes=weight_bytes, rest_bytes=rest)
+        running, source = min(CPU_DEFAULT_MAX_RUNNING_REQUESTS, slots), "CPU default"
+    if running < (max_running_requests or CPU_DEFAULT_MAX_RUNNING_REQUESTS):
+        source += f" lowered to the {slots} request-slot rows"
+    tokens = -(-running * context_len * CPU_POOL_REUSE_FACTOR // page_size) * page_size
+    why = (f"max_running_requests {running} ({source}) x context {context_len} x {CPU_POOL_REUSE_FACTOR} "
+           f"for prefix reuse")
+    return tokens, why
 
 
 def fixed_kv_budget(
@@ -246,13 +301,17 @@ def _no_room_message(pre: int, weights: int, fraction: float, cell_size: int, co
 
 def _finish(total: int, total_bound: str, max_running_requests: Optional[int], cell_size: int,
             page_size: int, context_len: int, device_kind: str, req_slot_budget_bytes: Optional[int],
-            notes: List[str], **memory) -> KVBudget:
-    """Derive the request limits from the final pool size `total` (already a page multiple)."""
+            notes: List[str], cpu_default_running: bool = False, **memory) -> KVBudget:
+    """Derive the request limits from the final pool size `total` (already a page multiple).
+    `cpu_default_running`: the pool was sized by `cpu_pool_need`, so without the flag running
+    requests default to `CPU_DEFAULT_MAX_RUNNING_REQUESTS` (or T // 2 when that is smaller)."""
     slots = req_slot_pool_size(context_len, device_kind, req_slot_budget_bytes)
     slot_bound = (f"the request-slot table: {slots} rows of C+4={context_len + 4} int32"
                   f"{' (row cap)' if slots == REQ_TO_TOKEN_MAX_ROWS else ''}")
     if max_running_requests is not None:
         running, running_bound = max_running_requests, f"--max-running-requests={max_running_requests}"
+    elif cpu_default_running and CPU_DEFAULT_MAX_RUNNING_REQUESTS <= total // 2:
+        running, running_bound = CPU_DEFAULT_MAX_RUNNING_REQUESTS, "the CPU default that sizes the KV pool"
     else:
         running, running_bound = max(1, total // 2), "T // 2"
     if slots < running:

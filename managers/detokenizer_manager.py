@@ -1,7 +1,8 @@
-"""Detokenizer process: turns the scheduler's cumulative output ids into cumulative text.
+"""Detokenizer process: turns the scheduler's incremental output ids into incremental text.
 
-Decodes only the new tail of each request (with a few tokens of left context), never emits an
-incomplete UTF-8 character, trims matched stop strings and holds back text that may become one.
+Keeps one `DecodeStatus` per live rid, decodes only the new tail of each request (with a few
+tokens of left context), never emits an incomplete UTF-8 character, trims matched stop strings
+and holds back text that may become one; each update carries only the text not sent before.
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple
 
@@ -19,36 +19,43 @@ from managers.io_struct import BatchStrOut, BatchTokenIDOut, DecodeParams
 logger = logging.getLogger(__name__)
 
 REPLACEMENT_CHAR = "\ufffd"  # what decode yields for a trailing incomplete UTF-8 sequence
-DEFAULT_MAX_LIVE_STATES = 1 << 16
 POLL_INTERVAL_MS = 200  # how often the loop checks for SIGTERM and a dead parent while idle
 _DEFAULT_PARAMS = DecodeParams()
 
 
 @dataclass
 class DecodeStatus:
-    """Incremental state of one rid. Its ids are `tail_ids + output_ids` (prompt tail first).
+    """Incremental state of one rid. `decode_ids` are its prompt tail (`tail_len` ids, left
+    context only), then every output id received so far.
 
-    ids[surr_offset:read_offset]: already in `decoded_text`, the left context of the next decode.
-    ids[read_offset:]: not yet in `decoded_text` (they may end inside a UTF-8 character).
-    decoded_text[:sent_offset]: what the last update carried; it never moves backwards.
+    decode_ids[surr_offset:read_offset]: already in `decoded_text`, the left context of the next decode.
+    decode_ids[read_offset:]: not yet in `decoded_text` (they may end inside a UTF-8 character).
+    decoded_text[:sent_offset]: what the updates so far carried; it never moves backwards.
     decoded_text[:stop_free_len]: text of outputs before `min_new_tokens - 1`; a stop string that
     ends inside it never stops the request, so it is not held back.
     """
 
-    tail_ids: List[int]
+    decode_ids: List[int]
+    tail_len: int
     decoded_text: str = ""
     surr_offset: int = 0
     read_offset: int = 0
     sent_offset: int = 0
     stop_free_len: int = 0
 
-    def ids(self, output_ids: Sequence[int], start: int, end: Optional[int] = None) -> List[int]:
-        """`(tail_ids + output_ids)[start:end]` without building the whole list."""
-        n = len(self.tail_ids)
-        stop = None if end is None else end - n
-        if start >= n:
-            return list(output_ids[start - n:stop])
-        return self.tail_ids[start:] + list(output_ids[:stop])
+    @property
+    def num_output_ids(self) -> int:
+        return len(self.decode_ids) - self.tail_len
+
+    def add_piece(self, ids: Sequence[int], offset: int, rid: Hashable) -> None:
+        """Append the output ids that start at `offset`; ids already received are skipped, so a
+        cumulative update (offset 0) is accepted too. A gap means an update was lost."""
+        have = self.num_output_ids
+        if offset > have:
+            logger.error("Detokenizer: rid %r sent output ids from %d but only %d arrived before; "
+                         "its text misses the ids in between.", rid, offset, have)
+            offset = have
+        self.decode_ids.extend(ids[have - offset:])
 
 
 class TextDecoder:
@@ -100,16 +107,13 @@ def stop_safe_len(text: str, stops: Sequence[str], start: int, stop_free_len: in
 class DetokenizerManager:
     """`BatchTokenIDOut` -> `BatchStrOut`; every other message passes through unchanged.
 
-    Holds one `DecodeStatus` per live rid, dropped when the rid finishes. Beyond `max_live_states`
-    the least recently updated state is evicted with a warning; since output ids are cumulative,
-    an evicted rid that comes back is decoded afresh from all its ids.
+    Holds one `DecodeStatus` per live rid, created by its first update and dropped by its finish
+    (the scheduler sends one for every request it reports: finished, aborted or refused).
     """
 
-    def __init__(self, tokenizer: Any, max_live_states: int = DEFAULT_MAX_LIVE_STATES):
-        assert max_live_states >= 1, f"max_live_states must be >= 1, got {max_live_states}"
+    def __init__(self, tokenizer: Any):
         self.decoder = TextDecoder(tokenizer)
-        self.max_live_states = max_live_states
-        self.decode_status: "OrderedDict[Hashable, DecodeStatus]" = OrderedDict()
+        self.decode_status: Dict[Hashable, DecodeStatus] = {}
 
     def handle(self, msg: Any) -> Any:
         """Dispatch of the process loop: what to send to the tokenizer manager for `msg`."""
@@ -118,33 +122,33 @@ class DetokenizerManager:
         return msg
 
     def handle_batch_token_id_out(self, msg: BatchTokenIDOut) -> BatchStrOut:
-        params = [_item(msg.decode_params, i, _DEFAULT_PARAMS) for i in range(len(msg.rids))]
-        states = [self._status(self._key(msg, i), _item(msg.input_tail_ids, i, [])) for i in range(len(msg.rids))]
-        surr_texts, read_texts = self._decode_windows(states, msg.output_ids, params)
-        texts = []
-        for i, rid in enumerate(msg.rids):
-            state, output_ids, finished = states[i], msg.output_ids[i], msg.finished_reasons[i]
-            if surr_texts[i].endswith(REPLACEMENT_CHAR) and state.read_offset == len(state.tail_ids) > 0:
-                # The prompt tail ends inside a character: its first output bytes would complete
-                # it and shift every offset. Decode this request without left context instead.
-                state.tail_ids, state.read_offset = [], 0
-                surr_texts[i], read_texts[i] = "", self.decoder.decode([list(output_ids)], params[i])[0]
-            new_text = read_texts[i][len(surr_texts[i]):]
-            if finished is not None or (new_text and not new_text.endswith(REPLACEMENT_CHAR)):
-                state.decoded_text += new_text
-                state.surr_offset = state.read_offset
-                state.read_offset = len(state.tail_ids) + len(output_ids)
-                if len(output_ids) < params[i].min_new_tokens:
-                    state.stop_free_len = len(state.decoded_text)
-            texts.append(self._visible_text(state, params[i], finished, _item(msg.stop_str_from_end, i, None)))
+        n = len(msg.rids)
+        params = [_item(msg.decode_params, i, _DEFAULT_PARAMS) for i in range(n)]
+        keys = [self._key(msg, i) for i in range(n)]
+        states = []
+        for i, key in enumerate(keys):
+            state = self._status(key, _item(msg.input_tail_ids, i, []))
+            state.add_piece(msg.output_ids[i], _item(msg.output_offsets, i, 0), key)
+            states.append(state)
+        surr_texts, read_texts = self._decode_windows(states, params)
+        texts, text_offsets = [], []
+        for i, state in enumerate(states):
+            finished = msg.finished_reasons[i]
+            self._advance(state, surr_texts[i], read_texts[i], params[i], finished is not None)
+            start = state.sent_offset
+            end = self._visible_len(state, params[i], finished, _item(msg.stop_str_from_end, i, None))
+            texts.append(state.decoded_text[start:end])
+            text_offsets.append(start)
             if finished is not None:
-                self.decode_status.pop(self._key(msg, i), None)
+                self.decode_status.pop(keys[i], None)
         return BatchStrOut(
             rids=list(msg.rids),
             texts=texts,
             output_ids=msg.output_ids,
             finished_reasons=msg.finished_reasons,
             meta_info=msg.meta_info,
+            text_offsets=text_offsets,
+            output_offsets=msg.output_offsets or [0] * n,
         )
 
     @staticmethod
@@ -154,22 +158,32 @@ class DetokenizerManager:
         parent = _item(msg.meta_info, i, {}).get("parent_rid")
         return msg.rids[i] if parent is None else (parent, msg.rids[i])
 
-    def _status(self, rid: Hashable, tail_ids: Sequence[int]) -> DecodeStatus:
-        state = self.decode_status.get(rid)
-        if state is not None:
-            self.decode_status.move_to_end(rid)
-            return state
-        tail = list(tail_ids)
-        state = DecodeStatus(tail_ids=tail, read_offset=len(tail))
-        self.decode_status[rid] = state
-        if len(self.decode_status) > self.max_live_states:
-            old_rid, _ = self.decode_status.popitem(last=False)
-            logger.warning(
-                "Detokenizer holds more than %d live requests; dropped the state of rid %r "
-                "(it is decoded afresh if it streams again).", self.max_live_states, old_rid)
+    def _status(self, key: Hashable, tail_ids: Sequence[int]) -> DecodeStatus:
+        state = self.decode_status.get(key)
+        if state is None:
+            tail = list(tail_ids)
+            state = DecodeStatus(decode_ids=tail, tail_len=len(tail), surr_offset=0, read_offset=len(tail))
+            self.decode_status[key] = state
         return state
 
-    def _decode_windows(self, states: List[DecodeStatus], output_ids: List[List[int]],
+    def _advance(self, state: DecodeStatus, surr_text: str, read_text: str, params: DecodeParams,
+                 finished: bool) -> None:
+        """Move the ids decoded into complete characters (all of them at the finish) into the text."""
+        if surr_text.endswith(REPLACEMENT_CHAR) and state.read_offset == state.tail_len > 0:
+            # The prompt tail ends inside a character: its first output bytes would complete it
+            # and shift every offset. Decode this request without left context instead.
+            del state.decode_ids[:state.tail_len]
+            state.tail_len, state.read_offset = 0, 0
+            surr_text, read_text = "", self.decoder.decode([list(state.decode_ids)], params)[0]
+        new_text = read_text[len(surr_text):]
+        if finished or (new_text and not new_text.endswith(REPLACEMENT_CHAR)):
+            state.decoded_text += new_text
+            state.surr_offset = state.read_offset
+            state.read_offset = len(state.decode_ids)
+            if state.num_output_ids < params.min_new_tokens:
+                state.stop_free_len = len(state.decoded_text)
+
+    def _decode_windows(self, states: List[DecodeStatus],
                         params: List[DecodeParams]) -> Tuple[List[str], List[str]]:
         """Decode ids[surr:read] (context already shown) and ids[surr:] (context plus new ids),
         one batch call per distinct set of decode options."""
@@ -178,17 +192,17 @@ class DetokenizerManager:
             groups.setdefault((p.skip_special_tokens, p.spaces_between_special_tokens), []).append(i)
         surr_texts, read_texts = [""] * len(states), [""] * len(states)
         for indices in groups.values():
-            seqs = [states[i].ids(output_ids[i], states[i].surr_offset, states[i].read_offset) for i in indices]
-            seqs += [states[i].ids(output_ids[i], states[i].surr_offset) for i in indices]
+            seqs = [states[i].decode_ids[states[i].surr_offset:states[i].read_offset] for i in indices]
+            seqs += [states[i].decode_ids[states[i].surr_offset:] for i in indices]
             decoded = self.decoder.decode(seqs, params[indices[0]])
             for j, i in enumerate(indices):
                 surr_texts[i], read_texts[i] = decoded[j], decoded[len(indices) + j]
         return surr_texts, read_texts
 
     @staticmethod
-    def _visible_text(state: DecodeStatus, params: DecodeParams, finished: Optional[Dict[str, Any]],
-                      stop_from_end: Optional[int] = None) -> str:
-        """The cumulative text of this update; it always starts with the previous update's text.
+    def _visible_len(state: DecodeStatus, params: DecodeParams, finished: Optional[Dict[str, Any]],
+                     stop_from_end: Optional[int] = None) -> int:
+        """How much of the text the client may see after this update (never less than before).
         A stop-string finish is trimmed at the occurrence that stopped the request: where the
         scheduler says it starts, else the last one (the stopping one ends in the last token)."""
         text = state.decoded_text
@@ -199,14 +213,14 @@ class DetokenizerManager:
                 if not (0 <= pos and text.startswith(matched, pos)):
                     pos = text.rfind(matched)
                 if pos != -1:
-                    return text[:max(pos, state.sent_offset)]
-            return text
+                    return max(pos, state.sent_offset)
+            return len(text)
         if params.no_stop_trim:
             end = len(text)
         else:
             end = stop_safe_len(text, params.stop, state.sent_offset, state.stop_free_len)
         state.sent_offset = max(end, state.sent_offset)
-        return text[:state.sent_offset]
+        return state.sent_offset
 
 
 def _item(values: Sequence[Any], i: int, default: Any) -> Any:

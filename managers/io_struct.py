@@ -81,9 +81,12 @@ class DecodeParams:
 
 @dataclass
 class BatchTokenIDOut:
-    """Per-step update of requests that finished or stream. `output_ids` are cumulative; each
-    request's `meta_info` carries the SGLang meta fields (prompt/completion/cached tokens, ...).
-    `input_tail_ids` are the last prompt tokens (left context for detokenizing the first outputs)."""
+    """Per-step update of requests that finished or stream, incremental: `output_ids[i]` are the
+    ids of rid i from position `output_offsets[i]` of its output on (empty offsets: 0, the whole
+    output). The output logprob lists in `meta_info[i]` start at the same position; the input
+    logprobs come whole in a rid's first update and are None after it. The other meta fields
+    (prompt/completion/cached tokens, ...) are totals. `input_tail_ids` are the last prompt tokens
+    (left context for detokenizing the first outputs), sent with a rid's first update only."""
 
     rids: List[str]
     output_ids: List[List[int]]
@@ -94,17 +97,23 @@ class BatchTokenIDOut:
     # Per finished stop-string request: characters from the start of the stopping occurrence to
     # the end of the output text (None: not a stop-string finish, or unknown).
     stop_str_from_end: List[Optional[int]] = field(default_factory=list)
+    output_offsets: List[int] = field(default_factory=list)
 
 
 @dataclass
 class BatchStrOut:
-    """Detokenized update: `texts` are cumulative and never shrink between updates of a rid."""
+    """Detokenized update, incremental like `BatchTokenIDOut`: `texts[i]` is the piece of rid i's
+    text that starts at character `text_offsets[i]`, `output_ids[i]` (and the output logprob lists
+    of `meta_info[i]`) the piece from `output_offsets[i]`. The receiver writes each piece at its
+    offset, so empty offsets (0) make an update cumulative. Text never shrinks between updates."""
 
     rids: List[str]
     texts: List[str]
     output_ids: List[List[int]]
     finished_reasons: List[Optional[Dict[str, Any]]]
     meta_info: List[Dict[str, Any]] = field(default_factory=list)
+    text_offsets: List[int] = field(default_factory=list)
+    output_offsets: List[int] = field(default_factory=list)
 
 
 @dataclass

@@ -60,6 +60,9 @@ class Req:
         self.created_time = time.perf_counter()
 
         self.output_ids: List[int] = []
+        # Output ids (and output logprob entries) already sent to the detokenizer: each update
+        # carries only those after it. Kept through retraction, so nothing is sent twice.
+        self.send_token_offset = 0
         self.fill_ids: List[int] = []
         # Prompt + outputs as one append-only list behind one RadixKey: its int32 packing is
         # done once per token, so re-matching a waiting request (every scheduling round, lpm

@@ -325,7 +325,7 @@ class Scheduler:
         self._release_children(req)
 
     def _stream(self, reqs: List[Req]) -> None:
-        out = build_output(reqs)
+        out = build_output(reqs, self.server_args.stream_interval)
         if out is not None:
             self.send(out)
 

@@ -95,7 +95,9 @@ def accumulate_input_logprobs(reqs: List[Req], logits_output: "LogitsProcessorOu
             req.input_logprobs_done = True
 
 
-def meta_info(req: Req) -> Dict[str, Any]:
+def meta_info(req: Req, offset: int = 0) -> Dict[str, Any]:
+    """The SGLang meta fields of one update: totals, the output logprob entries from `offset`
+    on, and the input logprobs whole in the first update (`offset` 0), None after it."""
     meta: Dict[str, Any] = {
         "id": req.rid,
         "prompt_tokens": len(req.origin_input_ids),
@@ -107,45 +109,71 @@ def meta_info(req: Req) -> Dict[str, Any]:
         meta["truncated_input_tokens"] = req.truncated_input_len
     if req.return_logprob:
         meta["output_token_logprobs"] = [
-            [v, t] for v, t in zip(req.output_token_logprobs_val, req.output_token_logprobs_idx)]
+            [v, t] for v, t in zip(req.output_token_logprobs_val[offset:], req.output_token_logprobs_idx[offset:])]
         if req.top_logprobs_num:
             meta["output_top_logprobs"] = [
                 [[v, t] for v, t in zip(vs, ts)]
-                for vs, ts in zip(req.output_top_logprobs_val, req.output_top_logprobs_idx)]
+                for vs, ts in zip(req.output_top_logprobs_val[offset:], req.output_top_logprobs_idx[offset:])]
         if req.token_ids_logprob:
             meta["output_token_ids_logprobs"] = [
-                [[v, t] for v, t in zip(vals, req.token_ids_logprob)] for vals in req.output_token_ids_logprobs]
-        if req.input_token_logprobs_val is not None:
-            meta["input_token_logprobs"] = [
-                [v, t] for v, t in zip(req.input_token_logprobs_val, req.input_token_logprobs_idx)]
-            if req.top_logprobs_num and req.input_top_logprobs_val is not None:
-                meta["input_top_logprobs"] = [
-                    None if vs is None else [[v, t] for v, t in zip(vs, ts)]
-                    for vs, ts in zip(req.input_top_logprobs_val, req.input_top_logprobs_idx)]
-        elif req.logprob_start_len < 0 and req.origin_input_ids:
-            # SGLang's -1: output logprobs only, and the input side is the last prompt token alone
-            meta["input_token_logprobs"] = [[None, req.origin_input_ids[-1]]]
-            if req.top_logprobs_num:
-                meta["input_top_logprobs"] = [None]
+                [[v, t] for v, t in zip(vals, req.token_ids_logprob)]
+                for vals in req.output_token_ids_logprobs[offset:]]
+        _add_input_logprobs(req, meta, first=offset == 0)
     if req.parent_rid is not None:
         meta["parent_rid"], meta["index"] = req.parent_rid, req.child_index
     return meta
 
 
-def build_output(reqs: List[Req], force: bool = False) -> Optional[BatchTokenIDOut]:
-    """Updates for requests that finished or stream (internal requests are never reported)."""
-    chosen = [r for r in reqs if not r.internal and (force or r.finished() or r.stream)]
+def _add_input_logprobs(req: Req, meta: Dict[str, Any], first: bool) -> None:
+    """The keys are in every update (the front end keeps their order); the values only in the first."""
+    with_top = bool(req.top_logprobs_num)
+    if req.input_token_logprobs_val is not None:
+        meta["input_token_logprobs"] = None if not first else [
+            [v, t] for v, t in zip(req.input_token_logprobs_val, req.input_token_logprobs_idx)]
+        if with_top and req.input_top_logprobs_val is not None:
+            meta["input_top_logprobs"] = None if not first else [
+                None if vs is None else [[v, t] for v, t in zip(vs, ts)]
+                for vs, ts in zip(req.input_top_logprobs_val, req.input_top_logprobs_idx)]
+    elif req.logprob_start_len < 0 and req.origin_input_ids:
+        # SGLang's -1: output logprobs only, and the input side is the last prompt token alone
+        meta["input_token_logprobs"] = [[None, req.origin_input_ids[-1]]] if first else None
+        if with_top:
+            meta["input_top_logprobs"] = [None] if first else None
+
+
+def should_send(req: Req, stream_interval: int = 1) -> bool:
+    """Finished: always (once). Streaming: its first token, then each time its output crosses a
+    multiple of --stream-interval (what the HTTP throttle lets through). Otherwise never."""
+    if req.internal:
+        return False
+    if req.finished():
+        return True
+    sent, have = req.send_token_offset, len(req.output_ids)
+    if not req.stream or have <= sent:
+        return False
+    return sent == 0 or have // stream_interval > sent // stream_interval
+
+
+def build_output(reqs: List[Req], stream_interval: int = 1) -> Optional[BatchTokenIDOut]:
+    """The update of the requests `should_send` picks, each carrying only what it has not sent
+    yet (its `send_token_offset` moves past it); internal requests are never reported."""
+    chosen = [r for r in reqs if should_send(r, stream_interval)]
     if not chosen:
         return None
-    return BatchTokenIDOut(
+    offsets = [r.send_token_offset for r in chosen]
+    out = BatchTokenIDOut(
         rids=[r.rid for r in chosen],
-        output_ids=[list(r.output_ids) for r in chosen],
+        output_ids=[r.output_ids[off:] for r, off in zip(chosen, offsets)],
         finished_reasons=[r.finished_reason.to_json() if r.finished() else None for r in chosen],
-        meta_info=[meta_info(r) for r in chosen],
+        meta_info=[meta_info(r, off) for r, off in zip(chosen, offsets)],
         decode_params=[_decode_params(r) for r in chosen],
-        input_tail_ids=[r.origin_input_ids[-INPUT_TAIL:] for r in chosen],
+        input_tail_ids=[r.origin_input_ids[-INPUT_TAIL:] if off == 0 else [] for r, off in zip(chosen, offsets)],
         stop_str_from_end=[_stop_from_end(r) for r in chosen],
+        output_offsets=offsets,
     )
+    for r in chosen:
+        r.send_token_offset = len(r.output_ids)
+    return out
 
 
 INPUT_TAIL = 5  # prompt tokens of left context for incremental detokenization

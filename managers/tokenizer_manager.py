@@ -31,6 +31,7 @@ from managers.io_struct import (
 )
 from managers.data_parallel_controller import merge_flushes, merge_loads
 from managers.prompt_tokenizer import Encoded, PromptTokenizer
+from managers.req_output_accumulator import ReqOutput
 from managers.request_bounds import CONTEXT_CODE, RequestBounds, server_flag
 from managers.template_manager import TemplateManager
 from srt.constrained.base_grammar_backend import GrammarError, create_grammar_backend, grammar_key
@@ -117,7 +118,10 @@ class ReqState:
     released_time: Optional[float] = None  # consumer gone before the finish: draining until it comes
     finished_children: set = field(default_factory=set)
     progress: Dict[int, Tuple[int, float]] = field(default_factory=dict)  # child -> (tokens, time)
-    logprob_cache: Dict[Tuple[int, str], list] = field(default_factory=dict)
+    outputs: Dict[int, ReqOutput] = field(default_factory=dict)  # child -> what it has shown so far
+
+    def output(self, child: int) -> ReqOutput:
+        return self.outputs.setdefault(child, ReqOutput())
 
     @property
     def event(self) -> asyncio.Event:
@@ -152,7 +156,8 @@ class TokenizerManager:
 
     # ------------------------------------------------------------------ public API
     async def generate_request(self, obj: GenerateReqInput) -> AsyncIterator[Any]:
-        """Yield `{"text", "output_ids", "meta_info"}` dicts (text and ids cumulative).
+        """Yield `{"text", "output_ids", "meta_info"}` dicts (text, ids and logprobs cumulative,
+        rebuilt from the incremental updates).
 
         Single prompt, n == 1: stream -> one dict per update, the last one finished; else one dict.
         Batch or n > 1: stream -> per-output updates carrying "index"; else one list of dicts.
@@ -209,7 +214,7 @@ class TokenizerManager:
         self._draining.clear()
         for state in list(self.rid_to_state.values()):
             for child in range(state.n):
-                self._deliver(state, child, "", [], finish, {}, now)
+                self._deliver(state, child, finish, {}, now)
         for waiting in self._pending.values():
             while waiting:
                 future = waiting.popleft()
@@ -221,7 +226,8 @@ class TokenizerManager:
 
     # ------------------------------------------------------------------ inbound messages
     def handle_batch_str_out(self, msg: BatchStrOut) -> None:
-        """Route each update to its state; unknown rids belong to aborted requests and are dropped."""
+        """Route each update to its state; unknown rids belong to aborted requests and are dropped.
+        Each piece is written at its offset into the output it belongs to, then delivered whole."""
         now = time.monotonic()
         for i, rid in enumerate(msg.rids):
             meta = msg.meta_info[i] if i < len(msg.meta_info) else {}
@@ -234,8 +240,14 @@ class TokenizerManager:
             if state.released_time is not None:
                 self._drain(state, children, finish)
                 continue
+            text_offset, ids_offset = _item(msg.text_offsets, i, 0), _item(msg.output_offsets, i, 0)
             for c in children:
-                self._deliver(state, c, msg.texts[i], msg.output_ids[i], finish, meta, now)
+                if c in state.finished_children:
+                    continue
+                meta_out = {k: v for k, v in meta.items() if k != "parent_rid"}
+                state.output(c).add(msg.texts[i], text_offset, msg.output_ids[i], ids_offset, meta_out,
+                                    self._converter(state))
+                self._deliver(state, c, finish, meta_out, now)
 
     def handle_reply(self, msg: Any) -> None:
         """Resolve the oldest pending flush_cache / get_load call waiting for this reply type."""
@@ -364,18 +376,19 @@ class TokenizerManager:
             return None, 0
         return state, index
 
-    def _deliver(self, state: ReqState, child: int, text: str, output_ids: List[int],
-                 finish: Optional[Dict[str, Any]], meta: Dict[str, Any], now: float) -> None:
+    def _deliver(self, state: ReqState, child: int, finish: Optional[Dict[str, Any]], meta_out: Dict[str, Any],
+                 now: float) -> None:
+        """Hand `child`'s cumulative output to its consumer; `meta_out` has cumulative logprobs."""
         if child in state.finished_children:
             return
-        meta_out = {k: v for k, v in meta.items() if k not in ("parent_rid",)}
+        output = state.output(child)
         meta_out.setdefault("id", state.rid if state.n == 1 else f"{state.rid}-{child}")
         meta_out.update(state.meta_extra)
         meta_out["finish_reason"] = finish = _explain_clamp(finish, state.meta_extra)
         meta_out["e2e_latency"] = now - state.created_time
-        self._add_logprob_texts(state, child, meta_out)
-        out = {"text": text, "output_ids": list(output_ids), "meta_info": meta_out}
-        self._observe(state, child, meta_out.get("completion_tokens", len(output_ids)), now, finish is not None)
+        out = {"text": output.text, "output_ids": list(output.output_ids), "meta_info": meta_out}
+        tokens = int(meta_out.get("completion_tokens", len(output.output_ids)))
+        self._observe(state, child, tokens, now, finish is not None)
         state.sink.items.append((state.index_base + child, out))
         state.sink.event.set()
         if finish is None:
@@ -384,9 +397,9 @@ class TokenizerManager:
         m = self.metrics
         m.num_finished += 1
         m.num_aborted += finish.get("type") == "abort" and not is_queue_full(finish)
-        m.prompt_tokens += int(meta.get("prompt_tokens", 0))
-        m.generation_tokens += int(meta.get("completion_tokens", len(output_ids)))
-        m.cached_tokens += int(meta.get("cached_tokens", 0))
+        m.prompt_tokens += int(meta_out.get("prompt_tokens", 0))
+        m.generation_tokens += tokens
+        m.cached_tokens += int(meta_out.get("cached_tokens", 0))
         if len(state.finished_children) == state.n:
             state.finished = True
             if self.rid_to_state.get(state.rid) is state:
@@ -447,26 +460,10 @@ class TokenizerManager:
         self.send(request)
         return list(await asyncio.gather(*futures))
 
-    def _add_logprob_texts(self, state: ReqState, child: int, meta: Dict[str, Any]) -> None:
-        """Entries become `[logprob, token_id, text|None]` (text only with return_text_in_logprobs).
-
-        Lists are cumulative across stream updates, so converted entries are cached per child.
-        """
+    def _converter(self, state: ReqState) -> Callable[[List[Any]], List[Any]]:
+        """Logprob entries become `[logprob, token_id, text|None]` (text only with return_text_in_logprobs)."""
         with_text = state.item.return_text_in_logprobs
-        for key in ("output_token_logprobs", "input_token_logprobs", "output_top_logprobs", "input_top_logprobs"):
-            entries = meta.get(key)
-            if entries is None:
-                continue
-            cache = state.logprob_cache.setdefault((child, key), [])
-            if len(entries) < len(cache):
-                cache.clear()
-            nested = key.endswith("top_logprobs")
-            for entry in entries[len(cache):]:
-                if nested:
-                    cache.append(None if entry is None else [self._entry(e, with_text) for e in entry])
-                else:
-                    cache.append(self._entry(entry, with_text))
-            meta[key] = list(cache)
+        return lambda entry: self._entry(entry, with_text)
 
     def _entry(self, entry: List[Any], with_text: bool) -> List[Any]:
         logprob, tid = entry[0], int(entry[1])
@@ -478,6 +475,11 @@ class TokenizerManager:
             text = self.tokenizer.decode([tid])
             self._token_text[tid] = text
         return text
+
+
+def _item(values: List[Any], i: int, default: Any) -> Any:
+    """Offsets of `BatchStrOut` may be left empty by the sender (0: a cumulative update)."""
+    return values[i] if i < len(values) else default
 
 
 def _explain_clamp(finish: Optional[Dict[str, Any]], meta_extra: Dict[str, Any]) -> Optional[Dict[str, Any]]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from managers.io_struct import BatchTokenIDOut, TokenizedGenerateReqInput
 from managers.scheduler import Scheduler
@@ -31,17 +31,39 @@ class Harness:
         return self.finals()
 
     def finals(self) -> Dict[str, dict]:
-        out = {}
+        """Each finished rid's whole output, rebuilt from its incremental updates."""
+        out: Dict[str, dict] = {}
+        ids: Dict[tuple, List[int]] = {}
+        metas: Dict[tuple, dict] = {}
         for msg in self.outbox:
             if not isinstance(msg, BatchTokenIDOut):
                 continue
-            for rid, ids, fin, meta in zip(msg.rids, msg.output_ids, msg.finished_reasons, msg.meta_info):
+            offsets = msg.output_offsets or [0] * len(msg.rids)
+            for rid, piece, offset, fin, meta in zip(msg.rids, msg.output_ids, offsets, msg.finished_reasons,
+                                                     msg.meta_info):
+                key = (meta.get("parent_rid"), rid)
+                so_far = ids.setdefault(key, [])
+                assert offset == len(so_far), f"{rid}: an update from {offset} after {len(so_far)} ids"
+                so_far.extend(piece)
+                metas[key] = _merge_meta(metas.get(key), meta)
                 if fin is not None:
                     assert rid not in out, f"{rid} finished twice"
-                    out[rid] = {"output_ids": ids, "finish": fin, "meta": meta}
+                    out[rid] = {"output_ids": so_far, "finish": fin, "meta": metas[key]}
         return out
 
     def assert_conserved(self) -> None:
         assert self.sched.is_idle()
         self.sched.check_memory_conservation()
         self.sched.tree_cache.check_invariants()
+
+
+def _merge_meta(before: Optional[dict], meta: dict) -> dict:
+    """Totals from the newest update, output logprob pieces appended, input logprobs from the first."""
+    merged = dict(meta)
+    for key in ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs"):
+        if before is not None and key in meta:
+            merged[key] = before.get(key, []) + meta[key]
+    for key in ("input_token_logprobs", "input_top_logprobs"):
+        if meta.get(key) is None and before is not None and key in before:
+            merged[key] = before[key]
+    return merged

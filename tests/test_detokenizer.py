@@ -1,4 +1,5 @@
-"""Detokenizer: incremental text, UTF-8 safety, stop strings, per-rid state, the process loop."""
+"""Detokenizer: incremental ids in, incremental text out, UTF-8 safety, stop strings, per-rid
+state (freed at the finish), the process loop."""
 
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ def encode(tokenizer, *pieces: str) -> List[int]:
     return [i for piece in pieces for i in tokenizer.encode(piece, add_special_tokens=False)]
 
 
-def token_out(rids: Sequence[str], output_ids, finished=None, params=None, tails=None) -> BatchTokenIDOut:
+def token_out(rids: Sequence[str], output_ids, finished=None, params=None, tails=None,
+              offsets=None) -> BatchTokenIDOut:
     n = len(rids)
     return BatchTokenIDOut(
         rids=list(rids),
@@ -49,17 +51,22 @@ def token_out(rids: Sequence[str], output_ids, finished=None, params=None, tails
         meta_info=[{"id": rid} for rid in rids],
         decode_params=list(params or [DecodeParams()] * n),
         input_tail_ids=[list(t) for t in (tails or [[]] * n)],
+        output_offsets=list(offsets or [0] * n),
     )
 
 
 def stream(manager: DetokenizerManager, rid: str, ids: List[int], finish: Optional[dict] = LENGTH,
            params: Optional[DecodeParams] = None, tail: Sequence[int] = ()) -> List[str]:
-    """Feed `ids` one token per message (cumulative), finishing with `finish` on the last one."""
-    texts = []
+    """Feed `ids` one new token per message, as the scheduler does (the prompt tail with the first),
+    finishing with `finish` on the last one; returns the client's text after each update."""
+    texts, text = [], ""
     for n in range(1, len(ids) + 1):
         last = finish if n == len(ids) else None
-        out = manager.handle_batch_token_id_out(token_out([rid], [ids[:n]], [last], [params or DecodeParams()], [tail]))
-        texts.append(out.texts[0])
+        msg = token_out([rid], [ids[n - 1:n]], [last], [params or DecodeParams()], [tail if n == 1 else []], [n - 1])
+        out = manager.handle_batch_token_id_out(msg)
+        assert out.text_offsets == [len(text)] and out.output_offsets == [n - 1]
+        text += out.texts[0]
+        texts.append(text)
     return texts
 
 
@@ -189,31 +196,52 @@ def test_request_cut_inside_a_character_ends_like_a_one_shot_decode(llama_tokeni
 def test_interleaved_rids_keep_separate_state_and_free_it_on_finish(llama_tokenizer):
     manager = DetokenizerManager(llama_tokenizer)
     a, b = encode(llama_tokenizer, "你好 alpha"), encode(llama_tokenizer, "beta 😀 gamma")
-    last = {}
+    text = {"a": "", "b": ""}
     for n in range(1, max(len(a), len(b)) + 1):
         rids = [rid for rid, ids in (("a", a), ("b", b)) if n <= len(ids)]
-        outputs = [(a if rid == "a" else b)[:n] for rid in rids]
-        finished = [LENGTH if len(out) == len(a if rid == "a" else b) else None for rid, out in zip(rids, outputs)]
-        msg = manager.handle_batch_token_id_out(token_out(rids[::-1], outputs[::-1], finished[::-1]))
-        assert msg.rids == rids[::-1] and msg.output_ids == outputs[::-1]
-        last.update(zip(msg.rids, msg.texts))
+        pieces = [(a if rid == "a" else b)[n - 1:n] for rid in rids]
+        finished = [LENGTH if n == len(a if rid == "a" else b) else None for rid in rids]
+        msg = manager.handle_batch_token_id_out(token_out(rids[::-1], pieces[::-1], finished[::-1],
+                                                          offsets=[n - 1] * len(rids)))
+        assert msg.rids == rids[::-1] and msg.output_ids == pieces[::-1]
+        for rid, offset, piece in zip(msg.rids, msg.text_offsets, msg.texts):
+            assert offset == len(text[rid])
+            text[rid] += piece
         assert len(manager.decode_status) == sum(f is None for f in finished)
 
-    assert last == {"a": "你好 alpha", "b": "beta 😀 gamma"}
+    assert text == {"a": "你好 alpha", "b": "beta 😀 gamma"}
     assert not manager.decode_status
 
 
-def test_live_states_are_capped_and_an_evicted_rid_is_decoded_afresh(llama_tokenizer, caplog):
-    manager = DetokenizerManager(llama_tokenizer, max_live_states=2)
+def test_cumulative_updates_are_accepted_and_ids_already_received_are_skipped(llama_tokenizer):
+    manager = DetokenizerManager(llama_tokenizer)
+    ids = encode(llama_tokenizer, "one two 你好 three")
+    text = ""
+    for n in range(1, len(ids) + 1):  # every update carries all ids from offset 0
+        out = manager.handle_batch_token_id_out(token_out(["r"], [ids[:n]], [LENGTH if n == len(ids) else None]))
+        assert out.text_offsets == [len(text)]
+        text += out.texts[0]
+    assert text == "one two 你好 three" and not manager.decode_status
+
+
+def test_an_abort_finish_frees_the_state_and_sends_the_held_text(llama_tokenizer):
+    manager = DetokenizerManager(llama_tokenizer)
+    ids = encode(llama_tokenizer, "Hi", " AB")
+    first = manager.handle_batch_token_id_out(token_out(["r"], [ids], params=[DecodeParams(stop=["ABC"])]))
+    assert first.texts == ["Hi "] and list(manager.decode_status) == ["r"]
+    aborted = {"type": "abort", "message": "Aborted by request.", "status_code": 499}
+    out = manager.handle_batch_token_id_out(token_out(["r"], [[]], [aborted], [DecodeParams(stop=["ABC"])],
+                                                      offsets=[len(ids)]))
+    assert out.texts == ["AB"] and out.text_offsets == [3]
+    assert not manager.decode_status
+
+
+def test_a_gap_in_the_ids_is_reported(llama_tokenizer, caplog):
+    manager = DetokenizerManager(llama_tokenizer)
     ids = encode(llama_tokenizer, "one two three")
-    for rid in ("r0", "r1", "r2"):
-        manager.handle_batch_token_id_out(token_out([rid], [ids[:2]]))
-    assert list(manager.decode_status) == ["r1", "r2"]
-    assert "dropped the state of rid 'r0'" in caplog.text
-
-    out = manager.handle_batch_token_id_out(token_out(["r0"], [ids], [LENGTH]))
-
-    assert out.texts == ["one two three"]
+    manager.handle_batch_token_id_out(token_out(["r"], [ids[:1]]))
+    manager.handle_batch_token_id_out(token_out(["r"], [ids[2:]], [LENGTH], offsets=[2]))
+    assert "sent output ids from 2 but only 1 arrived before" in caplog.text
 
 
 def test_other_messages_pass_through_unchanged(llama_tokenizer):

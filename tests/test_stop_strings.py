@@ -45,8 +45,11 @@ def detokenized(h: Harness, tok) -> Dict[str, List[str]]:
     for msg in h.outbox:
         if isinstance(msg, BatchTokenIDOut):
             out = detok.handle_batch_token_id_out(msg)
-            for rid, text in zip(out.rids, out.texts):
-                texts.setdefault(rid, []).append(text)
+            for rid, offset, piece in zip(out.rids, out.text_offsets, out.texts):  # pieces: rebuild the text
+                seen = texts.setdefault(rid, [])
+                text = seen[-1] if seen else ""
+                assert offset == len(text), f"{rid}: a text piece at {offset} after {len(text)} characters"
+                seen.append(text + piece)
     return texts
 
 

@@ -360,6 +360,7 @@ class Scheduler:
         self.tree_cache.reset()
         self.runner.req_to_token_pool.clear()
         self.runner.token_to_kv_pool_allocator.clear()
+        self.runner.token_to_kv_pool.release_host_pages()  # CPU: RSS back to what it was at start
         return FlushCacheReqOutput(True, "Cache flushed.")
 
     def token_usage(self) -> float:

@@ -82,18 +82,27 @@ class MHATokenToKVPool:
         self.head_dim = head_dim
         self.layer_num = layer_num
         self.device = device
-        rows = size + page_size
+        self.rows = size + page_size
+        self.page_size = page_size
+        self._create_buffers()
+
+    def _create_buffers(self) -> None:
         # torch.empty: host pages are only touched when a slot is first written.
-        self.k_buffer = [
-            torch.empty((rows, head_num, head_dim), dtype=store_dtype, device=device)
-            for _ in range(layer_num)
-        ]
-        self.v_buffer = [
-            torch.empty((rows, head_num, head_dim), dtype=store_dtype, device=device)
-            for _ in range(layer_num)
-        ]
+        shape = (self.rows, self.head_num, self.head_dim)
+        self.k_buffer = [torch.empty(shape, dtype=self.store_dtype, device=self.device) for _ in range(self.layer_num)]
+        self.v_buffer = [torch.empty(shape, dtype=self.store_dtype, device=self.device) for _ in range(self.layer_num)]
         for buf in self.k_buffer + self.v_buffer:
-            buf[:page_size].zero_()
+            buf[: self.page_size].zero_()
+
+    def release_host_pages(self) -> bool:
+        """On CPU, give the touched pages of an empty pool back to the OS (fresh `torch.empty`
+        buffers; the old ones are unmapped). Only when no slot is in use (after a cache flush):
+        otherwise a host's RSS keeps every page the radix cache ever filled. No-op elsewhere."""
+        if torch.device(self.device).type != "cpu":
+            return False
+        self.k_buffer, self.v_buffer = [], []
+        self._create_buffers()
+        return True
 
     @staticmethod
     def cell_size_bytes(head_num: int, head_dim: int, layer_num: int, store_dtype: torch.dtype) -> int:

@@ -47,6 +47,7 @@ class SoakReport:
     max_total_num_tokens: int
     idle: bool
     problems: List[str] = field(default_factory=list)
+    rss_by_process: Dict[str, tuple] = field(default_factory=dict)  # title -> (after warm-up, after flush)
 
     @property
     def counts(self) -> Dict[str, int]:
@@ -131,17 +132,18 @@ def run_soak(url: str, pid: Optional[int], num_requests: int, concurrency: int, 
         burst_size = int(info.get("max_queued_requests") or 64) + 16
     asyncio.run(_drive(url, cfg, warmup, min(concurrency, warmup), seed + 1, 0, 0))
     _wait_idle(url)
-    rss_start = _rss(pid)
+    rss_start, by_start = _rss(pid), (tree_rss_mib(pid) if pid else {})
     start = time.monotonic()
     outcomes = asyncio.run(_drive(url, cfg, num_requests, concurrency, seed, burst_every, burst_size))
     elapsed = time.monotonic() - start
     info = _wait_idle(url)
     rss_end = _rss(pid)
     flushed = requests.post(url + "/flush_cache", timeout=60).status_code == 200
-    rss_flushed = _rss(pid)
+    rss_flushed, by_end = _rss(pid), (tree_rss_mib(pid) if pid else {})
     load = info.get("load") or {}
     report = SoakReport(outcomes, elapsed, rss_start, rss_end, rss_flushed, dict(load.get("memory") or {}),
                         int(info["max_total_num_tokens"]), not load.get("num_running_reqs"))
+    report.rss_by_process = {k: (by_start.get(k, 0.0), v) for k, v in by_end.items()}
     _check(report, info, flushed, rss_bound_mib, pid is not None)
     return report
 
@@ -188,7 +190,8 @@ def format_report(report: SoakReport) -> str:
     lines += ["", f"{len(report.outcomes)} requests in {report.elapsed_s:.1f} s ({rate:.1f} req/s); 5xx: "
                   f"{report.num_5xx}; memory at the end: {report.memory} of T = {report.max_total_num_tokens}",
               f"server RSS (process tree): {report.rss_start_mib:.0f} MiB after warm-up, {report.rss_end_mib:.0f} "
-              f"at the end, {report.rss_flushed_mib:.0f} after /flush_cache",
+              f"at the end, {report.rss_flushed_mib:.0f} after /flush_cache; per process: " + ", ".join(
+                  f"{k} {a:.0f} -> {b:.0f}" for k, (a, b) in sorted(report.rss_by_process.items())),
               "PASS" if report.passed else "FAIL: " + "; ".join(report.problems)]
     return "\n".join(lines)
 

@@ -14,7 +14,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from srt.server_args import ServerArgs, make_parser
 from srt.utils.logging_utils import say_fatal
 
-RAISE_T = "raised by --mem-fraction-static, --max-total-tokens, --kv-cache-dtype fp8_e4m3"
+RAISE_T = ("raised by --mem-fraction-static, --max-total-tokens, --kv-cache-dtype fp8_e4m3 (and, on CPU where "
+           "the pool is sized by need, --max-running-requests)")
 
 
 class StartupFailure(Exception):

@@ -4,11 +4,17 @@
     python scripts/bench_one_batch.py --model-path DIR --batch-sizes 1 8 --input-lens 128
     python scripts/bench_one_batch.py --preset llama-100m --no-hf --decode-modes eager compile
     python scripts/bench_one_batch.py --preset llama-1b --dtype bfloat16 --no-hf --decode-modes eager graph
+    python scripts/bench_one_batch.py --no-hf --batch-sizes 16 --input-lens 1100 --decode-attention paged torch
 
 `--tp-size N` (no HF) measures decode step time at TP = 1 (this process, all threads) and at TP = N
 (N spawned ranks over gloo/NCCL, the threads split between them) on the same weights and prompts,
 and the cost of one all-reduce of a decode step's hidden states, so the collective overhead per
 step (2 per layer, plus the embedding's and the LM head's gather) is visible.
+
+`--decode-attention paged torch` (CPU) compares decode attention implementations on one prefilled
+batch, alternating them step by step so that both see the same lengths and the same machine load:
+`paged` (the C++ op reading the KV pool in place, kernels/cpu) and `torch` (the gather into
+padded buffers + SDPA fallback). The table gives the median step of each and the ratio.
 
 `--decode-modes` measures decode once per mode, side by side on the same runner and inputs:
 `eager` (the plain forward), `graph` (the CUDA-graph runner: captured graphs on CUDA, its eager
@@ -116,12 +122,17 @@ def main() -> None:
     p.add_argument("--peak-bandwidth-tbs", type=float, default=4.8, help="memory bandwidth for the roofline (H200: 4.8)")
     p.add_argument("--json-out", help="also write the rows as JSON here")
     p.add_argument("--tp-size", type=int, default=1, help="compare decode at TP = 1 and TP = this (see above)")
+    p.add_argument("--decode-attention", nargs="+", choices=["paged", "torch"], default=None,
+                   help="CPU: compare decode attention implementations step by step (see above); no HF")
+    p.add_argument("--random-prompt-kv", action="store_true",
+                   help="with --decode-attention: random prompt K/V instead of a prefill (same decode cost)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     tmp = tempfile.TemporaryDirectory()
-    max_len = max(args.input_lens) + args.output_len + 8
+    steps = (args.output_len + 1) * len(args.decode_attention) if args.decode_attention else args.output_len
+    max_len = max(args.input_lens) + steps + 8
     if args.model_path:
         path, load_format = args.model_path, "auto"
     else:
@@ -132,6 +143,8 @@ def main() -> None:
     runner = ModelRunner(sa, max_total_tokens=T, max_running_requests=max(args.batch_sizes))
     if args.decode_modes:
         return bench_modes(runner, args, max_len)
+    if args.decode_attention:
+        return bench_decode_attention(runner, args)
     if args.tp_size > 1:
         del runner
         return bench_tp(args, path, load_format, T)
@@ -302,6 +315,72 @@ def bench_modes(runner: ModelRunner, args, max_len: int) -> None:
     runner.graph_runner = runner.compiled_forward = None
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(rows, indent=1))
+
+
+def fill_prompt_kv(batch: StaticBatch, length: int, seed: int = 0) -> None:
+    """What a prefill of `length` tokens per request leaves behind (slots, `req_to_token`, K/V),
+    with random K/V: decode attention costs the same, and a prefill of 16 x 1,100 tokens costs
+    minutes of CPU."""
+    runner, n = batch.runner, len(batch.rows)
+    slots = runner.token_to_kv_pool_allocator.alloc_extend([0] * n, [length] * n, batch._last_locs(range(n)))
+    if slots is None:
+        raise RuntimeError("KV pool exhausted")
+    for i, row in enumerate(batch.rows):
+        runner.req_to_token_pool.write(row, 0, slots[i * length : (i + 1) * length])
+        batch.seq_lens[i] = length
+    pool, g = runner.token_to_kv_pool, torch.Generator().manual_seed(seed)
+    for buf in pool.k_buffer + pool.v_buffer:
+        rows = torch.randn((len(slots),) + tuple(buf.shape[1:]), generator=g).to(buf.dtype)
+        buf.index_copy_(0, slots.to(buf.device), rows.to(buf.device))
+
+
+def bench_decode_attention(runner: ModelRunner, args) -> None:
+    """Median decode step per attention implementation, alternating them step by step on one batch:
+    wall time and this process's CPU time (less disturbed by other load on the machine)."""
+    from kernels.attention.torch_native_backend import TorchNativeAttnBackend
+
+    pool = runner.token_to_kv_pool
+    backends = {"paged": TorchNativeAttnBackend(runner.device, pool.dtype, pool.store_dtype),
+                "torch": TorchNativeAttnBackend(runner.device)}
+    if backends["paged"].paged_decode is None:
+        sys.exit("the C++ paged decode op is unavailable here (CUDA device, fp8/fp16 KV, or no build): see the log")
+    impls = args.decode_attention
+    print(f"# bench_one_batch --decode-attention: {args.model_path or args.preset}, {args.dtype}, "
+          f"KV {str(pool.store_dtype).replace('torch.', '')}, {runner.device}, threads={torch.get_num_threads()}, "
+          f"{args.output_len} decode steps per implementation, prompt KV "
+          f"{'random' if args.random_prompt_kv else 'prefilled'}")
+    head = "| batch | input | " + " | ".join(f"{i} step ms | {i} CPU ms" for i in impls)
+    both = set(impls) == {"paged", "torch"}
+    head += " | torch / paged (wall) | torch / paged (CPU) |" if both else " |"
+    print(head)
+    print("|" + "---|" * (head.count("|") - 1))
+    g = torch.Generator().manual_seed(0)
+    for L in args.input_lens:
+        for bs in args.batch_sizes:
+            prompts = torch.randint(3, runner.model_config.vocab_size, (bs, L), generator=g).tolist()
+            batch = StaticBatch(runner, bs)
+            if args.random_prompt_kv:
+                fill_prompt_kv(batch, L)
+                nxt = torch.tensor([p[-1] for p in prompts], device=runner.device)
+            else:
+                nxt = batch.extend(prompts).next_token_logits.argmax(-1)
+            wall, cpu = {i: [] for i in impls}, {i: [] for i in impls}
+            for step in range(len(impls) * (args.output_len + 1)):
+                impl = impls[step % len(impls)]
+                runner.attn_backend = backends[impl]
+                c0 = time.process_time()
+                out, t = timed(lambda: batch.decode(nxt), runner.device)
+                nxt = out.next_token_logits.argmax(-1)
+                if step >= len(impls):  # the first step of each is a warm-up
+                    wall[impl].append(t)
+                    cpu[impl].append(time.process_time() - c0)
+            batch.release()
+            w = {i: statistics.median(ts) for i, ts in wall.items()}
+            c = {i: statistics.median(ts) for i, ts in cpu.items()}
+            row = f"| {bs} | {L} | " + " | ".join(f"{w[i] * 1e3:.1f} | {c[i] * 1e3:.1f}" for i in impls)
+            row += f" | {w['torch'] / w['paged']:.2f} | {c['torch'] / c['paged']:.2f} |" if both else " |"
+            print(row, flush=True)
+    runner.attn_backend = backends["paged"]
 
 
 if __name__ == "__main__":

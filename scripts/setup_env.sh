@@ -38,3 +38,11 @@ if [ ! -f "$stamp" ]; then
   fi
   touch "$stamp"
 fi
+
+# The C++ CPU attention kernels (kernels/cpu), built now so that the first server start or test
+# does not compile them; without a compiler the runtime keeps the torch path (logged once).
+kstamp=".venv/.cpu-kernels-$(cat kernels/cpu/csrc/* kernels/cpu/build.py | sha1sum | cut -c1-12)"
+if [ ! -f "$kstamp" ]; then
+  command -v ninja >/dev/null 2>&1 || [ -x .venv/bin/ninja ] || $PIP install -q ninja
+  if .venv/bin/python -m kernels.cpu.build; then touch "$kstamp"; else echo "[setup] C++ CPU kernels not built"; fi
+fi

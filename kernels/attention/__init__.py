@@ -42,4 +42,5 @@ def create_attention_backend(name: str, model_runner) -> "AttentionBackend":  # 
         return FlashInferAttnBackend(model_runner)
     from kernels.attention.torch_native_backend import TorchNativeAttnBackend
 
-    return TorchNativeAttnBackend(model_runner.device)
+    pool = model_runner.token_to_kv_pool
+    return TorchNativeAttnBackend(model_runner.device, q_dtype=pool.dtype, kv_dtype=pool.store_dtype)

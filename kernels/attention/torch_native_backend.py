@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention.base_attn_backend import AttentionBackend
+from kernels.cpu.paged_attention import paged_decode_op
 
 if TYPE_CHECKING:
     from srt.layers.radix_attention import RadixAttention
@@ -17,12 +18,19 @@ if TYPE_CHECKING:
 class TorchNativeAttnBackend(AttentionBackend):
     """Gathers each request's K/V through `req_to_token` and runs SDPA.
 
-    Extend runs per request (a causal mask aligned to the cached prefix); decode runs as one
-    padded batch whose gather indices and key mask are built once per step.
+    Extend runs per request (a causal mask aligned to the cached prefix). Decode on the CPU reads
+    the pool in place with the C++ op of `kernels/cpu` when it serves the pool's dtypes and builds
+    here; otherwise (CUDA, fp8 KV, no compiler, the CUDA-graph hooks) it runs as one padded batch
+    whose gather indices and key mask are built once per step.
     """
 
-    def __init__(self, device: "torch.device | str" = "cpu"):
+    def __init__(self, device: "torch.device | str" = "cpu", q_dtype: Optional[torch.dtype] = None,
+                 kv_dtype: Optional[torch.dtype] = None):
+        """`q_dtype` and `kv_dtype` (the model's and the KV storage's) let decode use the C++ op;
+        without them decode keeps the torch path (the oracle that tests compare against)."""
         self._graph_device = device
+        self.paged_decode = None if kv_dtype is None else paged_decode_op(device, q_dtype or kv_dtype, kv_dtype)
+        self.use_paged_decode = False  # this step's decode: the C++ op (False under the graph hooks)
         self.decode_indices: Optional[torch.Tensor] = None
         self.decode_mask: Optional[torch.Tensor] = None
         self.extend_rows: list = []
@@ -41,6 +49,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         self.graph_indices[:bs].zero_()
         self.graph_mask[:bs].zero_()
         self.graph_mask[:bs, ..., 0] = True  # the capture run reads the dummy slot only
+        self.use_paged_decode = False
         self.decode_indices, self.decode_mask = self.graph_indices[:bs], self.graph_mask[:bs]
 
     def init_forward_metadata_replay_cuda_graph(self, bs: int, fb: "ForwardBatch") -> None:
@@ -49,12 +58,16 @@ class TorchNativeAttnBackend(AttentionBackend):
         valid = self.graph_columns[None, :] < fb.seq_lens[:, None]
         self.graph_indices[:bs].copy_(torch.where(valid, idx, 0))
         self.graph_mask[:bs].copy_(valid[:, None, None, :])
+        self.use_paged_decode = False
         self.decode_indices, self.decode_mask = self.graph_indices[:bs], self.graph_mask[:bs]
 
     def init_forward_metadata(self, fb: "ForwardBatch") -> None:
         req_to_token = fb.req_to_token_pool.req_to_token
         seq_lens = fb.seq_lens_cpu
         if fb.forward_mode.is_decode():
+            self.use_paged_decode = self.paged_decode is not None
+            if self.use_paged_decode:
+                return  # the op reads req_to_token through fb.req_pool_indices and fb.seq_lens
             max_len = int(max(seq_lens))
             idx = req_to_token[fb.req_pool_indices, :max_len].to(torch.int64)
             if min(seq_lens) == max_len:
@@ -102,6 +115,13 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     def forward_decode(self, q: torch.Tensor, layer: "RadixAttention", fb: "ForwardBatch") -> torch.Tensor:
         pool = fb.token_to_kv_pool
+        if self.use_paged_decode:
+            H, D = layer.tp_q_head_num, layer.head_dim
+            o = self.paged_decode(
+                q.reshape(-1, H, D), pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
+                fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens, layer.scaling,
+            )
+            return o.view(-1, H * D)
         idx = self.decode_indices
         H, D = layer.tp_q_head_num, layer.head_dim
         bs = idx.shape[0]

@@ -1,0 +1,41 @@
+"""Paged decode attention that reads the KV pool in place: when the C++ op serves a backend.
+
+`torch.ops.srt_cpu.paged_decode_attention(q, k_buffer, v_buffer, req_to_token,
+req_pool_indices, seq_lens, scale)`: q `[bs, heads, head_dim]` attends, per request b, to the KV
+slots `req_to_token[req_pool_indices[b], :seq_lens[b]]`; returns `[bs, heads, head_dim]`.
+Slot indices make it page-size agnostic; fp32 or bf16 q and KV, fp32 accumulation.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Optional
+
+import torch
+
+from kernels.cpu import build
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def paged_decode_op(device: "torch.device | str", q_dtype: torch.dtype, kv_dtype: torch.dtype) -> Optional[Callable]:
+    """The C++ op when it can serve this pool: a CPU device, q and KV storage in fp32 or bf16
+    (fp8 KV keeps the torch path), and the library builds here. Otherwise None."""
+    if torch.device(device).type != "cpu" or q_dtype not in SUPPORTED_DTYPES or kv_dtype not in SUPPORTED_DTYPES:
+        return None
+    if not _load():
+        return None
+    return torch.ops.srt_cpu.paged_decode_attention
+
+
+@functools.lru_cache(maxsize=None)
+def _load() -> bool:
+    if not build.load_cpu_kernels():
+        return False
+    # Shapes for torch.compile's tracing (the CPU decode may run under a compiled forward).
+    torch.library.register_fake("srt_cpu::paged_decode_attention", _paged_decode_attention_fake)
+    return True
+
+
+def _paged_decode_attention_fake(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, scale):
+    return q.new_empty(q.shape)

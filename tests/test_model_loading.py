@@ -136,3 +136,20 @@ def test_derived_context_length_and_eos(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     (tmp_path / "tokenizer_config.json").unlink()
     assert ModelConfig.load(str(tmp_path)).context_len == 4096  # llama3 configs state the scaled length
+
+
+def test_bf16_on_a_cpu_without_bf16_matmuls_is_warned(monkeypatch, caplog):
+    import logging
+
+    import torch
+
+    from srt.model_loader import loader
+
+    monkeypatch.setattr(loader, "cpu_has_fast_bf16", lambda: False)
+    with caplog.at_level(logging.WARNING, logger="srt.model_loader.loader"):
+        assert loader.warn_slow_cpu_bf16(torch.bfloat16, "cpu") is True
+        assert loader.warn_slow_cpu_bf16(torch.float32, "cpu") is False
+        assert loader.warn_slow_cpu_bf16(torch.bfloat16, "cuda:0") is False
+    assert "Use --dtype float32" in caplog.text and caplog.text.count("bfloat16 on a CPU") == 1
+    monkeypatch.setattr(loader, "cpu_has_fast_bf16", lambda: True)
+    assert loader.warn_slow_cpu_bf16(torch.bfloat16, "cpu") is False

@@ -60,6 +60,9 @@ def test_native_backend_dataset(server, tmp_path, dataset):
     assert all(r["ttft"] > 0 and r["output_tokens"] > 0 for r in records)
     if dataset != "random":  # a later prompt extends an earlier one: the server reports prefix hits
         assert table_value(stdout, "Prefix cache hit rate (server)") > 0
+    if dataset == "generated-shared-prefix":  # 2 groups x (2 - 1) x 48 reusable of 2 x 2 x (48 + 8) prompt tokens
+        assert summaries[0]["prefix_cache_hit_rate_optimum"] == pytest.approx(96 / 224, rel=0.05)
+        assert table_value(stdout, "Prefix cache hit rate (optimum)") == pytest.approx(96 / 224, abs=0.01)
 
 
 def test_multi_turn_prompts_grow_by_reply_and_user_message(server, tmp_path):

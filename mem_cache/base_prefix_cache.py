@@ -57,7 +57,10 @@ class BasePrefixCache(abc.ABC):
 
         The tree takes ownership of `value[prefix:len]` (page-aligned part only); the caller
         still owns `value[:prefix]` (duplicates of slots the tree already had: free them) and
-        any unaligned tail.
+        any unaligned tail. The tree may keep a view of `value` and a reference to the key's
+        token list: the caller must not write into either afterwards (appending to the list is
+        fine), and must never pass a view of `req_to_token` it will rewrite (RadixCache copies
+        those).
         """
 
     @abc.abstractmethod

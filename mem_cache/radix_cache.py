@@ -1,8 +1,10 @@
 """Radix-tree prefix cache: the longest cached prefix of a request is KV it does not recompute.
 
-Match and insert compare whole spans (`bytes ==` on packed int32 keys, bisection to find a
-divergence point), never token by token in Python; eviction pops a lazy heap of unlocked
-leaves kept up to date incrementally. Semantics: ARCHITECTURE.md section 4.2.
+Match and insert compare whole spans (`bytes ==` on lazily packed int32 keys, bisection to find
+a divergence point), never token by token in Python. A new leaf keeps a window on the caller's
+token list and, where that is safe, a view of the caller's slot tensor, so an insert packs and
+copies nothing it does not compare. Eviction pops a lazy heap of unlocked leaves kept up to date
+incrementally. Semantics: ARCHITECTURE.md section 4.2.
 """
 
 from __future__ import annotations
@@ -12,21 +14,13 @@ from typing import Any, Hashable, List, Optional, Tuple
 
 import torch
 
-from mem_cache.base_prefix_cache import (
-    BasePrefixCache,
-    KeyLike,
-    MatchResult,
-    as_radix_key,
-    empty_indices,
-)
+from mem_cache.base_prefix_cache import BasePrefixCache, KeyLike, MatchResult, as_radix_key, empty_indices
 from mem_cache.evict_heap import EvictHeap
 from mem_cache.radix_invariants import check_radix_invariants
-from mem_cache.radix_tree_node import RadixKey, TreeNode, common_prefix_len
+from mem_cache.radix_tree_node import RadixKey, TreeNode, common_prefix_len, node_slots
 from mem_cache.req_protocol import PrefixCacheReq
 
 logger = logging.getLogger(__name__)
-
-_W = 4  # bytes per packed token id (RadixKey packs int32)
 
 __all__ = ["RadixCache", "RadixKey", "TreeNode", "MatchResult"]
 
@@ -42,6 +36,8 @@ class RadixCache(BasePrefixCache):
     - A lock on a node protects the path to the root; unlocked leaves are evicted least
       recently used first (`eviction_policy="lfu"`: fewest hits, then least recent).
       Access times come from a logical clock that ticks once per match / insert.
+    - Node values may be views of the tensors given to `insert` (see there); the tree never
+      writes to them and never keeps a view of a `req_to_token` row.
     - `disable=True`: never shares, through the same interface (like `ChunkCache`).
     - `req_to_token_pool` / `token_to_kv_pool_allocator` may be None for tree-only use (tests
       that insert token ids as values); evicted slots then go nowhere.
@@ -67,22 +63,19 @@ class RadixCache(BasePrefixCache):
         self.disable = disable
         self.eviction_policy = eviction_policy
         self._heap = EvictHeap(eviction_policy)
+        self._empty = empty_indices(self.device)  # the (shared, never written) result of a miss
+        self._rows = getattr(req_to_token_pool, "req_to_token", None)  # never aliased by a node value
         self._init_tree()
 
     def _init_tree(self) -> None:
         self.root = TreeNode()
         self.root.lock_ref = 1
-        self._evictable = 0
-        self._protected = 0
-        self._clock = 0
+        self._evictable = self._protected = self._clock = 0
         self._heap.clear()
 
     def reset(self) -> None:
-        """Drop every node and give its slots back to the allocator.
-
-        Only valid when no request holds a lock (the scheduler is idle): raises ValueError
-        otherwise, because locked slots are in use by running requests.
-        """
+        """Drop every node and give its slots back to the allocator. Only while no request holds
+        a lock (the scheduler is idle): raises ValueError otherwise (those slots are in use)."""
         if self._protected:
             raise ValueError(f"cannot reset the radix cache: {self._protected} tokens are locked by running requests")
         self._free_slots(self.all_values_flatten())
@@ -100,7 +93,7 @@ class RadixCache(BasePrefixCache):
 
     def match_prefix(self, key: KeyLike) -> MatchResult:
         """Longest cached page-aligned prefix of `key` and its slots (one `torch.cat`: a new
-        tensor, never a view of a node's value).
+        tensor, never a view of a node's value; a miss returns a shared empty tensor).
 
         A match that ends inside a node splits it, so `last_node` covers exactly the match.
         Touches access time and hit count of every node on the path.
@@ -108,57 +101,63 @@ class RadixCache(BasePrefixCache):
         key = as_radix_key(key)
         n = self._aligned(len(key))
         if self.disable or n == 0:
-            return MatchResult(empty_indices(self.device), self.root)
-        node, _, values = self._walk(key, n, count_hit=True)
-        return MatchResult(torch.cat(values) if values else empty_indices(self.device), node)
+            return MatchResult(self._empty, self.root)
+        self._clock += 1
+        node, _, values, _ = self._walk(self.root, key, n, count_hit=True)
+        return MatchResult(torch.cat(values) if values else self._empty, node)
 
     def insert(self, key: KeyLike, value: Optional[torch.Tensor] = None) -> int:
         """Insert `key -> value` (value None: the token ids themselves, for tests).
 
         Returns how many leading tokens were already present. The tree keeps its older slots for
-        that span and takes `value[prefix:aligned_len]` (copied to a new int64 tensor); the
-        caller still owns `value[:prefix]` and the unaligned tail (see `cache_finished_req`).
+        that span and takes `value[prefix:aligned_len]`; the caller still owns `value[:prefix]`
+        and the unaligned tail (see `cache_finished_req`). Nothing is packed or copied beyond
+        what is compared: the new leaf keeps a window on the key's token list (do not change it
+        in place afterwards; appending is fine) and, mostly, a view of `value` (do not write into
+        it afterwards; `node_slots` says when it is copied). Token ids must fit in int32; ids
+        stored without being compared are checked when first packed (by a later match).
         """
-        key = as_radix_key(key)
+        key = key if isinstance(key, RadixKey) else as_radix_key(key)
         if self.disable:
             return 0
         if value is None:
             value = torch.tensor(key.token_ids, dtype=torch.int64, device="cpu")
-        if value.dim() != 1 or len(value) != len(key):
-            raise ValueError(f"value must be 1-D with len(key)={len(key)} entries, got shape {tuple(value.shape)}")
-        n = self._aligned(len(key))
+        length = len(key)
+        if value.dim() != 1 or value.numel() != length:
+            raise ValueError(f"value must be 1-D with len(key)={length} entries, got shape {tuple(value.shape)}")
+        n = length - length % self.page_size
         if n == 0:
             return 0
-        node, pos, _ = self._walk(key, n, count_hit=False)
+        self._clock += 1
+        node, pos, _, child_key = self._walk(self.root, key, n, count_hit=False)
         if pos < n:
-            self._add_leaf(node, key, pos, n, value)
+            self._add_leaf(node, key, pos, n, value, length, child_key)
         return pos
 
     def _aligned(self, length: int) -> int:
         return length - length % self.page_size
 
-    def _child_key(self, packed: bytes, pos: int, extra_key: Optional[Hashable]) -> Hashable:
-        """Dict key of the child whose key starts at token `pos` of `packed`."""
-        first = packed[pos * _W : (pos + self.page_size) * _W]
-        return first if extra_key is None else (extra_key, first)
+    def child_key_of(self, key: RadixKey, pos: int = 0) -> Hashable:
+        """Dict key of a child whose key starts like `key[pos:]`: its first page's int32 bytes,
+        with the namespace when there is one."""
+        first = key.page_bytes(pos, self.page_size)
+        return first if key.extra_key is None else (key.extra_key, first)
 
-    def _walk(self, key: RadixKey, n: int, count_hit: bool) -> Tuple[TreeNode, int, List[torch.Tensor]]:
-        """Follow `key[:n]` from the root, splitting a node where the match ends inside it.
-
-        Returns (deepest matched node, matched length, values along the path).
-        """
-        self._clock += 1
-        now = self._clock
-        extra_key, page = key.extra_key, self.page_size
-        node, pos, values = self.root, 0, []
+    def _walk(self, node: TreeNode, key: RadixKey, n: int, count_hit: bool) -> Tuple[TreeNode, int, List[torch.Tensor], Any]:
+        """Follow `key[:n]` down from `node`, splitting a node where the match ends inside it;
+        touches the path with the current clock (the caller ticks it). Returns (deepest matched
+        node, matched length, values below `node`, the child key that missed or None)."""
+        now, pos, values = self._clock, 0, []
+        page, extra_key = self.page_size, key.extra_key
         while pos < n:
-            packed = key.packed_upto(pos + page)
-            child = node.children.get(self._child_key(packed, pos, extra_key))
+            first = key.page_bytes(pos, page)  # as child_key_of, inlined: this is the hot loop
+            child_key = first if extra_key is None else (extra_key, first)
+            child = node.children.get(child_key)
             if child is None:
-                break
+                return node, pos, values, child_key
             child_len = len(child.key)
             span = min(child_len, n - pos)
-            matched = self._aligned(common_prefix_len(child.key.packed, key, pos, span))
+            matched = self._aligned(common_prefix_len(child.key, key, pos, span))
             if matched < child_len:
                 child = self._split(child, matched)  # only the matched part is touched
             child.last_access_time = now
@@ -168,32 +167,31 @@ class RadixCache(BasePrefixCache):
             node, pos = child, pos + matched
             if matched < child_len:
                 break
-        return node, pos, values
+        return node, pos, values, None
 
     def _split(self, child: TreeNode, at: int) -> TreeNode:
         """Cut `child` after `at` tokens; the new upper node takes the child's place and copies
-        its lock_ref, access time and hit count, so the sizes are unchanged."""
-        upper = TreeNode(child.key[:at], child.value[:at])
-        upper.parent = child.parent
-        upper.lock_ref = child.lock_ref
-        upper.last_access_time = child.last_access_time
-        upper.hit_count = child.hit_count
-        extra_key = child.key.extra_key
-        upper.parent.children[self._child_key(child.key.packed, 0, extra_key)] = upper
-        child.key = child.key[at:]
+        its lock_ref, access time and hit count, so the sizes are unchanged. Keys and values
+        are cut as windows / views: nothing is copied."""
+        upper = TreeNode(child.key.window(0, at), child.value[:at], child.parent, child.last_access_time)
+        upper.lock_ref, upper.hit_count = child.lock_ref, child.hit_count
+        upper.parent.children[self.child_key_of(upper.key)] = upper
+        child.key = child.key.window(at, len(child.key))
         child.value = child.value[at:]
         child.parent = upper
-        upper.children[self._child_key(child.key.packed, 0, extra_key)] = child
+        upper.children[self.child_key_of(child.key)] = child
         return upper
 
-    def _add_leaf(self, parent: TreeNode, key: RadixKey, start: int, stop: int, value: torch.Tensor) -> None:
-        leaf_key = RadixKey.from_packed(key.packed_upto(stop)[start * _W : stop * _W], key.extra_key)
-        leaf = TreeNode(leaf_key, value[start:stop].to(torch.int64, copy=True))
-        leaf.parent = parent
-        leaf.last_access_time = self._clock
-        parent.children[self._child_key(leaf_key.packed, 0, key.extra_key)] = leaf
+    def _add_leaf(self, parent: TreeNode, key: RadixKey, start: int, stop: int, value: torch.Tensor,
+                  whole: int, child_key: Any = None) -> TreeNode:
+        """Hang `key[start:stop] -> value[start:stop]` under `parent` (`whole` = len(value);
+        `child_key`: the leaf's dict key if the walk already computed it)."""
+        slots = node_slots(value, start, stop, whole, self._rows)
+        leaf = TreeNode(key.window(start, stop), slots, parent, self._clock)
+        parent.children[child_key if child_key is not None else self.child_key_of(leaf.key)] = leaf
         self._evictable += stop - start
         self._heap.push(leaf)
+        return leaf
 
     # -- locks and eviction ------------------------------------------------------------------
 
@@ -233,39 +231,33 @@ class RadixCache(BasePrefixCache):
         self._protected -= delta
         return delta
 
-    def _is_evictable_leaf(self, node: TreeNode) -> bool:
-        return not node.evicted and node.lock_ref == 0 and not node.children
-
     def evict(self, num_tokens: int) -> int:
-        """Free unlocked leaves in policy order until `num_tokens` are freed or none is left.
-
-        A parent that becomes an unlocked leaf joins the heap. Slots go back to the allocator in
-        one `free` call. Returns the tokens freed (at most one node more than asked).
-        """
+        """Free unlocked leaves in policy order until `num_tokens` are freed or none is left; a
+        parent that becomes an unlocked leaf joins the heap. Slots go back to the allocator in
+        one `free` call. Returns the tokens freed (at most one node more than asked)."""
         if self.disable or num_tokens <= 0:
             return 0
-        freed, victims = 0, []
+        freed, victims, pop = 0, [], self._heap.pop_victim
         while freed < num_tokens:
-            node = self._heap.pop_victim(self._is_evictable_leaf)
+            node = pop()
             if node is None:
                 break
             victims.append(node.value)
             freed += len(node.key)
             self._delete_leaf(node)
-        if victims:
-            self._free_slots(torch.cat(victims))
+        if victims:  # the slots now belong to the allocator alone: no copy needed for one node
+            self._free_slots(victims[0] if len(victims) == 1 else torch.cat(victims))
         return freed
 
     def _free_slots(self, slots: torch.Tensor) -> None:
-        """Give slots back to the allocator. `slots` must be whole pages laid out in order (as
-        tree values and page-aligned row spans are), so one slot per page is enough: the paged
-        allocator frees the page of each slot it is given."""
+        """Give slots back. They must be whole pages in order (as tree values and page-aligned
+        row spans are): the paged allocator frees the page of every P-th slot."""
         if self.token_to_kv_pool_allocator is not None and slots.numel():
             self.token_to_kv_pool_allocator.free_aligned(slots)
 
     def _delete_leaf(self, node: TreeNode) -> None:
         parent = node.parent
-        del parent.children[self._child_key(node.key.packed, 0, node.key.extra_key)]
+        del parent.children[self.child_key_of(node.key)]
         self._evictable -= len(node.key)
         node.evicted = True
         node.parent = None
@@ -284,21 +276,27 @@ class RadixCache(BasePrefixCache):
             [p, k)                   duplicates of slots the tree already had   -> freed
             [k, a)                   adopted by the tree (new nodes)            -> tree
             [a, kv_allocated_len)    unaligned tail + uncommitted slots         -> freed
-        Afterwards the request owns nothing (see `BasePrefixCache._release_row`).
+        [0, p) is neither compared nor packed: the walk starts at the locked `last_node`.
+        The tree adopts views of one int64 copy of the row's [p, kv_allocated_len), never of
+        the row itself. Afterwards the request owns nothing (see `BasePrefixCache._release_row`).
         """
         if self.disable:
             self._finish_unshared(req)
             return
         committed, protected = self._check_req_lengths(req)
-        token_ids = (req.origin_input_ids + req.output_ids)[:committed]
-        if len(token_ids) < committed:
-            raise AssertionError(f"kv_committed_len {committed} exceeds the request's {len(token_ids)} tokens")
-        kv = self._row_slots(req, 0, req.kv_allocated_len)
-        aligned = self._aligned(committed)
-        in_tree = self.insert(RadixKey(token_ids[:aligned], req.extra_key), kv[:aligned])
-        if in_tree < protected:
-            raise AssertionError(f"request's locked prefix ({protected} tokens) is missing from the tree ({in_tree})")
-        self._free_slots(torch.cat((kv[protected:in_tree], kv[aligned:])))  # both start on a page
+        origin, output = req.origin_input_ids, req.output_ids
+        if len(origin) + len(output) < committed:
+            raise AssertionError(f"kv_committed_len {committed} exceeds the request's {len(origin) + len(output)} tokens")
+        n = self._aligned(committed) - protected
+        self._clock += 1
+        start = self._enter_at_lock(req, protected)
+        kv = self._row_copy(req, protected, req.kv_allocated_len)
+        a, m = protected + n, len(origin)
+        key = RadixKey(origin[protected:a] + output[max(protected - m, 0) : max(a - m, 0)], req.extra_key)
+        node, matched, _, child_key = self._walk(start, key, n, count_hit=False)
+        if matched < n:
+            self._add_leaf(node, key, matched, n, kv, len(kv), child_key)
+        self._free_slots(torch.cat((kv[:matched], kv[n:])))  # both start on a page
         self.dec_lock_ref(req.last_node)
         self._release_row(req)
 
@@ -307,9 +305,10 @@ class RadixCache(BasePrefixCache):
         tree's canonical slots, free the duplicates, move the lock to the new last node.
 
         Row index map (p = cache_protected_len, k = prefix already in the tree, a = aligned
-        committed length): [0, p) unchanged; [p, k) request's duplicates freed and the row
-        rewritten to the tree's slots; [k, a) adopted by the tree; [a, kv_allocated_len) stays
-        private. Afterwards `cache_protected_len = a` and `prefix_indices` = the committed span.
+        committed length): [0, p) unchanged (not compared: the walk starts at `last_node`);
+        [p, k) request's duplicates freed and the row rewritten to the tree's slots; [k, a)
+        adopted by the tree; [a, kv_allocated_len) stays private. Afterwards
+        `cache_protected_len = a` and `prefix_indices` = the committed span.
         """
         if self.disable:
             self._keep_unshared(req)
@@ -317,31 +316,54 @@ class RadixCache(BasePrefixCache):
         committed, protected = self._check_req_lengths(req)
         if len(req.fill_ids) < committed:
             raise AssertionError(f"fill_ids has {len(req.fill_ids)} tokens < kv_committed_len {committed}")
-        kv = self._row_slots(req, 0, committed)
         aligned = self._aligned(committed)
-        key = RadixKey(req.fill_ids[:aligned], req.extra_key)
-        in_tree = self.insert(key, kv[:aligned])
-        if in_tree < protected:
-            raise AssertionError(f"request's locked prefix ({protected} tokens) is missing from the tree ({in_tree})")
-        self._free_slots(kv[protected:in_tree])
-        new_last, matched, values = self._walk(key, aligned, count_hit=False) if aligned else (self.root, 0, [])
-        if matched != aligned:
-            raise AssertionError(f"re-match after insert found {matched} of {aligned} tokens")
-        canonical = torch.cat(values) if values else kv[:0]
-        self.req_to_token_pool.write(req.req_pool_idx, protected, canonical[protected:])
+        n = aligned - protected
+        self._clock += 1
+        start = self._enter_at_lock(req, protected)
+        kv = self._row_copy(req, protected, committed)
+        key = RadixKey(req.fill_ids[protected:aligned], req.extra_key)
+        new_last, matched, values, child_key = self._walk(start, key, n, count_hit=False)
+        if matched < n:
+            new_last = self._add_leaf(new_last, key, matched, n, kv, len(kv), child_key)
+            values.append(new_last.value)
+        self._free_slots(kv[:matched])
+        canonical = torch.cat(values) if values else kv[:0]  # the tree's slots for [p, a)
+        self.req_to_token_pool.write(req.req_pool_idx, protected, canonical)
         self.inc_lock_ref(new_last)
         self.dec_lock_ref(req.last_node)
         req.last_node = new_last
         req.cache_protected_len = aligned
-        req.prefix_indices = torch.cat((canonical, kv[aligned:]))
+        req.prefix_indices = torch.cat((self._row_copy(req, 0, protected), canonical, kv[n:]))
+
+    def _enter_at_lock(self, req: PrefixCacheReq, protected: int) -> TreeNode:
+        """Where a request helper's walk starts: `last_node`, whose root path holds the
+        request's first `protected` tokens (its lock keeps them in the tree). Touches that path
+        with the current clock, as a walk from the root would."""
+        node = req.last_node if protected else self.root
+        depth, cur = 0, node
+        while cur is not self.root:
+            if cur is None or cur.evicted:
+                raise AssertionError("the request's last_node is not in this tree")
+            cur.last_access_time = self._clock
+            depth += len(cur.key)
+            cur = cur.parent
+        if depth != protected:
+            raise AssertionError(f"request's last_node covers {depth} tokens but cache_protected_len is {protected}")
+        return node
+
+    def _row_copy(self, req: PrefixCacheReq, start: int, stop: int) -> torch.Tensor:
+        """A new int64 tensor of `req_to_token[req_pool_idx, start:stop]`, never a view of the row
+        (which is rewritten when reused), so the tree may keep views of it."""
+        if req.req_pool_idx is None:
+            raise AssertionError("request has no req_to_token row (already finished or retracted?)")
+        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+        return row[start:stop].to(torch.int64, copy=True)
 
     def _check_req_lengths(self, req: PrefixCacheReq) -> Tuple[int, int]:
         committed, protected = req.kv_committed_len, req.cache_protected_len
         if not (0 <= protected <= committed <= req.kv_allocated_len) or protected % self.page_size:
-            raise AssertionError(
-                f"bad request KV lengths: cache_protected_len={protected}, kv_committed_len={committed}, "
-                f"kv_allocated_len={req.kv_allocated_len}, page_size={self.page_size}"
-            )
+            raise AssertionError(f"bad request KV lengths: cache_protected_len={protected}, kv_committed_len="
+                                 f"{committed}, kv_allocated_len={req.kv_allocated_len}, page_size={self.page_size}")
         return committed, protected
 
     # -- inspection --------------------------------------------------------------------------
@@ -356,7 +378,7 @@ class RadixCache(BasePrefixCache):
         return out
 
     def all_values_flatten(self) -> torch.Tensor:
-        """Every KV slot held by the tree (int64), e.g. for conservation checks."""
+        """Every KV slot held by the tree (int64, a new tensor), e.g. for conservation checks."""
         values = [node.value for node in self.iter_nodes()]
         return torch.cat(values) if values else empty_indices(self.device)
 
@@ -368,11 +390,9 @@ class RadixCache(BasePrefixCache):
         stack = [(child, 1) for child in self.root.children.values()]
         while stack:
             node, depth = stack.pop()
-            lines.append(
-                f"{'  ' * depth}{node.key!r} lock_ref={node.lock_ref} "
-                f"t={node.last_access_time} hits={node.hit_count}"
-            )
+            lines.append(f"{'  ' * depth}{node.key!r} lock_ref={node.lock_ref} t={node.last_access_time} hits={node.hit_count}")
             stack.extend((child, depth + 1) for child in node.children.values())
         text = "\n".join(lines)
         logger.info("%s", text)
         return text
+

@@ -26,10 +26,11 @@ def check_radix_invariants(cache: RadixCache) -> None:
 
     Checked: root shape and permanent lock; parent/child links; each child stored under the
     dict key derived from its own key (first token / first page, plus namespace); one namespace
-    per subtree; non-empty, page-aligned keys; int64 1-D values as long as keys; lock_ref >= 0
-    and at least the sum of the children's; evictable / protected sizes equal to the sums over
-    unlocked / locked nodes; every unlocked leaf tracked by the eviction heap. With an allocator:
-    no slot in two nodes, no dummy slot 0, and (paged) each page of a value is one whole page.
+    per subtree; non-empty, page-aligned, fixed-length keys; int64 1-D values as long as keys
+    and never views of `req_to_token`; lock_ref >= 0 and at least the sum of the children's;
+    evictable / protected sizes equal to the sums over unlocked / locked nodes; every unlocked
+    leaf tracked by the eviction heap. With an allocator: no slot in two nodes, no dummy slot
+    0, and (paged) each page of a value is one whole page.
     """
     root = cache.root
     _expect(root.parent is None, "root has a parent")
@@ -68,8 +69,9 @@ def _check_child(cache: RadixCache, parent: TreeNode, dict_key: Hashable, child:
     n = len(child.key)
     _expect(n > 0, f"node {cid} has an empty key")
     _expect(n % cache.page_size == 0, f"node {cid}: key length {n} is not a multiple of page_size {cache.page_size}")
-    expected_key = cache._child_key(child.key.packed, 0, child.key.extra_key)
+    expected_key = cache.child_key_of(child.key)
     _expect(dict_key == expected_key, f"node {cid} is stored under child key {dict_key!r} but its key starts {expected_key!r}")
+    _expect(child.key.fixed, f"node {cid}: key follows a growing token list instead of a fixed window")
     if parent is not cache.root:
         _expect(
             child.key.extra_key == parent.key.extra_key,
@@ -78,6 +80,11 @@ def _check_child(cache: RadixCache, parent: TreeNode, dict_key: Hashable, child:
     value = child.value
     _expect(value.dim() == 1 and value.dtype == torch.int64, f"node {cid}: value must be 1-D int64, got {value.dtype} {tuple(value.shape)}")
     _expect(len(value) == n, f"node {cid}: value length {len(value)} != key length {n}")
+    rows = getattr(cache.req_to_token_pool, "req_to_token", None)
+    _expect(
+        rows is None or rows.untyped_storage().data_ptr() != value.untyped_storage().data_ptr(),
+        f"node {cid}: value is a view of req_to_token (it would change when the row is reused)",
+    )
     _expect(child.lock_ref >= 0, f"node {cid} has negative lock_ref {child.lock_ref}")
     if child.lock_ref == 0 and not child.children:
         _expect(child.in_heap, f"unlocked leaf {cid} is not tracked by the eviction heap (it could never be evicted)")

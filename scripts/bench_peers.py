@@ -150,7 +150,11 @@ async def measure(argv: List[str], server: str, fixed_output: Optional[int]) -> 
     """Run one workload against a ready server; bench_serving's summary plus the expected token count."""
     args = bs.parse_args(argv)
     timeout = aiohttp.ClientTimeout(total=args.request_timeout)
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+    # force_close: one connection per request. llama-server closes idle keep-alive connections on
+    # its side, and a pooled one reused after that fails with "Can not write request body" (a lost
+    # request, and in multi-turn a lost conversation); a fresh connection costs every server the same.
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         model, vocab = await bs.discover(args, session)
         rng = random.Random(args.seed)
         work = bs.build_work(args, bs.PromptMaker(args.backend, vocab, rng))

@@ -25,6 +25,14 @@ def wait_in_flight(handle: ServerHandle, n: int, timeout: float = 20.0) -> None:
         time.sleep(0.02)
 
 
+def wait_draining(handle: ServerHandle, timeout: float = 10.0) -> None:
+    """Until /health answers 503: the first SIGTERM has been taken and the server is draining."""
+    deadline = time.monotonic() + timeout
+    while handle.get("/health").status_code != 503:
+        assert time.monotonic() < deadline, "the server did not start draining"
+        time.sleep(0.01)
+
+
 def stream_events(handle: ServerHandle, body: dict) -> list:
     resp = handle.post("/generate", json={**body, "stream": True}, stream=True)
     return [e for e in sse_events(resp)]
@@ -134,10 +142,13 @@ def test_requests_left_after_the_graceful_timeout_get_503_on_every_route(server)
 def test_a_second_sigterm_aborts_in_flight_requests_at_once(server):
     handle = server()  # --graceful-shutdown-timeout 30 (the default)
     with ThreadPoolExecutor(1) as pool:
-        future = pool.submit(handle.post, "/generate", json={"text": "Slow", "sampling_params": LONG})
+        # Nearly the whole 2,048-token context, and the drain detected by polling rather than a
+        # fixed sleep: on a fast CPU a 1,500-token request finished within one second.
+        longest = {**LONG, "max_new_tokens": 2000}
+        future = pool.submit(handle.post, "/generate", json={"text": "Slow", "sampling_params": longest})
         wait_in_flight(handle, 1)
         handle.proc.send_signal(signal.SIGTERM)
-        time.sleep(1.0)
+        wait_draining(handle)
         assert not future.done()  # draining: the request is still running
         t0 = time.monotonic()
         handle.proc.send_signal(signal.SIGTERM)

@@ -69,6 +69,8 @@ class Envs:
     # has run longer, is "not answering": /ready and /health_generate fail fast, and a silent one
     # (stopped, frozen) also gets new requests refused with 503 until it answers again.
     SCHEDULER_STALE_S = EnvFloat(PREFIX + "SCHEDULER_STALE_S", 5.0)
+    # CPU: reorder linear weights into oneDNN's blocked layout after loading (srt/layers/cpu_weight_packing.py).
+    CPU_WEIGHT_PACKING = EnvBool(PREFIX + "CPU_WEIGHT_PACKING", True)
 
 
 envs = Envs()

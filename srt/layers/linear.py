@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from srt.distributed.parallel_state import divide, get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
+from srt.layers.cpu_weight_packing import packed_linear
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
@@ -45,12 +46,19 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        # oneDNN-packed weight on CPU, set after loading (srt/layers/cpu_weight_packing.py).
+        self.register_buffer("packed_weight", None, persistent=False)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         default_weight_loader(param, loaded)
 
+    def matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return packed_linear(x, self.packed_weight, bias)
+        return F.linear(x, self.weight, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -84,7 +92,7 @@ class RowParallelLinear(LinearBase):
         _copy_slice(param.data, loaded, 1, self.tp_rank * size, size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = tensor_model_parallel_all_reduce(F.linear(x, self.weight))
+        out = tensor_model_parallel_all_reduce(self.matmul(x, None))
         return out if self.bias is None else out + self.bias
 
 

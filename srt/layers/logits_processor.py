@@ -13,6 +13,7 @@ from torch import nn
 
 from kernels.device_utils import host_to_device
 from srt.distributed.parallel_state import tensor_model_parallel_all_gather
+from srt.layers.cpu_weight_packing import packed_linear
 
 if TYPE_CHECKING:
     from srt.model_executor.forward_batch_info import ForwardBatch
@@ -36,11 +37,16 @@ class LogitsProcessor(nn.Module):
     def _logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """fp32 logits over the whole vocabulary: this rank's slice, gathered over the TP ranks
         (rank order = vocabulary order) and cut to the real vocabulary (no padding rows)."""
-        logits = tensor_model_parallel_all_gather((hidden @ weight.T).float(), dim=-1)
+        if weight.is_mkldnn:  # packed on CPU (srt/layers/cpu_weight_packing.py)
+            local = packed_linear(hidden, weight)
+        else:
+            local = hidden @ weight.T
+        logits = tensor_model_parallel_all_gather(local.float(), dim=-1)
         return logits[:, : self.vocab_size] if logits.shape[-1] != self.vocab_size else logits
 
     def forward(self, hidden_states: torch.Tensor, lm_head: nn.Module, fb: "ForwardBatch") -> LogitsProcessorOutput:
-        weight = lm_head.weight
+        weight = getattr(lm_head, "packed_weight", None)
+        weight = lm_head.weight if weight is None else weight
         if fb.forward_mode.is_decode():
             return LogitsProcessorOutput(self._logits(hidden_states, weight))
         ext = fb.extend_seq_lens_cpu

@@ -415,11 +415,13 @@ def read_free_memory(device: str) -> MemoryReading:
 
 
 def module_nbytes(model: nn.Module) -> int:
-    """Bytes of the model's parameters and buffers (shared tensors counted once)."""
+    """Bytes of the model's parameters and buffers (shared tensors counted once), packed CPU
+    weights included."""
     seen, total = set(), 0
     for t in list(model.parameters()) + list(model.buffers()):
-        # Meta tensors (check_config's model) have no storage: identity is the only key.
-        key = ("meta", id(t)) if t.is_meta else (t.device, t.data_ptr())
+        # Meta tensors (check_config's model) and oneDNN-packed weights (opaque, no data_ptr)
+        # have no storage to compare: identity is the only key.
+        key = ("id", id(t)) if t.is_meta or t.is_mkldnn else (t.device, t.data_ptr())
         if key not in seen:
             seen.add(key)
             total += t.numel() * t.element_size()

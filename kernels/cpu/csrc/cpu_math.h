@@ -29,21 +29,14 @@ inline T from_float(float x) {
   return static_cast<T>(x);  // bf16: round to nearest even
 }
 
-// One K or V row as fp32: fp32 storage is used in place, bf16 is widened into `scratch`.
-inline const float* float_row(const float* row, float* /*scratch*/, int64_t /*n*/) { return row; }
-
-inline const float* float_row(const c10::BFloat16* row, float* scratch, int64_t n) {
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(row);
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t wide = static_cast<uint32_t>(bits[i]) << 16;
-    std::memcpy(scratch + i, &wide, sizeof(float));
-  }
-  return scratch;
-}
-
-// Eight floats. Written out explicitly because the compiler does not keep a running output
-// chunk in registers across a loop over keys on its own.
+// A vector of floats: sixteen lanes (one zmm register) where the compiler may use AVX-512,
+// else eight (AVX, or SSE pairs). Written out explicitly because the compiler does not keep a
+// running output chunk in registers across a loop over keys on its own.
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;
+#else
 constexpr int64_t kLanes = 8;
+#endif
 typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
 
 inline vfloat vload(const float* p) {
@@ -55,6 +48,19 @@ inline vfloat vload(const float* p) {
 inline void vstore(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
 
 typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t))));
+typedef uint32_t vuint __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+typedef uint16_t vhalf __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+
+// kLanes consecutive values as fp32: fp32 as is; bf16 widened in registers (bf16 is the upper
+// half of an fp32: zero-extend, shift left by 16).
+inline vfloat vload(const c10::BFloat16* p) {
+  vhalf bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  const vuint wide = __builtin_convertvector(bits, vuint) << 16;
+  vfloat out;
+  std::memcpy(&out, &wide, sizeof(out));
+  return out;
+}
 
 inline vfloat vbroadcast(float x) { return vfloat{} + x; }
 
@@ -81,18 +87,28 @@ inline vfloat vexp(vfloat x) {
 }
 
 inline float vsum(vfloat v) {
-  // Halve twice with vector adds, then add the last two lanes.
+  // Halve with vector adds until eight lanes are left, then a tree over those.
+#if defined(__AVX512F__)
   typedef float half_t __attribute__((vector_size(kLanes / 2 * sizeof(float))));
-  typedef float quarter_t __attribute__((vector_size(kLanes / 4 * sizeof(float))));
   half_t lo, hi;
   std::memcpy(&lo, &v, sizeof(lo));
   std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(lo), sizeof(hi));
-  const half_t h = lo + hi;
-  quarter_t a, b;
-  std::memcpy(&a, &h, sizeof(a));
-  std::memcpy(&b, reinterpret_cast<const char*>(&h) + sizeof(a), sizeof(b));
-  const quarter_t q = a + b;
-  return q[0] + q[1];
+  const half_t e = lo + hi;
+#else
+  const vfloat e = v;
+#endif
+  return ((e[0] + e[4]) + (e[1] + e[5])) + ((e[2] + e[6]) + (e[3] + e[7]));
+}
+
+// One K or V row as fp32: fp32 storage is used in place, bf16 is widened into `scratch` (whole
+// vectors, then a scalar tail), once per row however many query heads then read it.
+inline const float* float_row(const float* row, float* /*scratch*/, int64_t /*n*/) { return row; }
+
+inline const float* float_row(const c10::BFloat16* row, float* scratch, int64_t n) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) vstore(scratch + i, vload(row + i));
+  for (; i < n; ++i) scratch[i] = to_float(row[i]);
+  return scratch;
 }
 
 // Run `body(i, state)` for i in [0, n) on torch's intra-op threads, handing out indices one at a

@@ -1,0 +1,85 @@
+"""oneDNN-packed CPU linear weights: same numbers as the dense F.linear path (the oracle), the
+dense copies freed, the packed bytes counted, and the switches that turn packing off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model_utils import assert_pool_conserved, greedy_run, make_runner, random_prompts
+from srt.layers.linear import LinearBase
+from srt.layers.cpu_weight_packing import pack_weight, packed_linear, packing_supported
+from srt.model_executor.memory_sizing import module_nbytes
+
+pytestmark = pytest.mark.skipif(not packing_supported("cpu", torch.float32),
+                                reason="this torch build has no oneDNN (CPU weight packing is off)")
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows", [0, 1, 7, 16, 300])
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+def test_packed_linear_equals_dense(dtype, tol, rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    w = (torch.randn(96, 80, generator=g) * 0.1).to(dtype)
+    b = torch.randn(96, generator=g).to(dtype) if bias else None
+    x = torch.randn(rows, 80, generator=g).to(dtype)
+    got = packed_linear(x, pack_weight(w), b)
+    assert got.shape == (rows, 96) and got.dtype == dtype
+    torch.testing.assert_close(got.float(), F.linear(x, w, b).float(), rtol=tol, atol=tol)
+
+
+def test_packed_linear_takes_a_non_contiguous_input():
+    w = torch.randn(32, 16)
+    x = torch.randn(16, 10).t()  # [10, 16], column-major
+    torch.testing.assert_close(packed_linear(x, pack_weight(w)), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def _linears(model):
+    return [m for m in model.modules() if isinstance(m, LinearBase)]
+
+
+def test_runner_packs_every_linear_and_frees_the_dense_weights(tiny_model_factory, monkeypatch):
+    path = tiny_model_factory("qwen2", tie_word_embeddings=True)
+    packed = make_runner(path)
+    monkeypatch.setenv("SRT_CPU_WEIGHT_PACKING", "0")
+    dense = make_runner(path)
+    layers = _linears(packed.model)
+    assert layers and all(m.packed_weight is not None and m.packed_weight.is_mkldnn for m in layers)
+    assert all(m.weight.numel() == 0 for m in layers)
+    assert all(m.packed_weight is None and m.weight.numel() > 0 for m in _linears(dense.model))
+    # Tied head: the embedding keeps its dense rows, the head holds a packed copy of them.
+    embed = packed.model.model.embed_tokens
+    assert packed.model.lm_head is embed and embed.weight.numel() > 0 and embed.packed_weight.is_mkldnn
+    # The packed bytes are counted (KV sizing subtracts them): the same total plus the head's copy.
+    head_bytes = embed.weight.numel() * embed.weight.element_size()
+    assert module_nbytes(packed.model) == module_nbytes(dense.model) + head_bytes
+    assert "packed_weight" not in "".join(packed.model.state_dict())
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_packed_model_matches_the_dense_one(tiny_model_factory, monkeypatch, arch):
+    path = tiny_model_factory(arch)
+    prompts = random_prompts(500, (5, 33, 17), seed=3)
+    packed = make_runner(path)
+    toks, logits = greedy_run(packed, prompts, steps=12)
+    monkeypatch.setenv("SRT_CPU_WEIGHT_PACKING", "0")
+    dense = make_runner(path)
+    ref_toks, ref_logits = greedy_run(dense, prompts, steps=12)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    assert toks == ref_toks
+    assert_pool_conserved(packed)
+    assert_pool_conserved(dense)
+
+
+def test_untied_head_is_packed_and_its_dense_copy_freed(llama_model):
+    runner = make_runner(llama_model)
+    head = runner.model.lm_head
+    assert head is not runner.model.model.embed_tokens
+    assert head.packed_weight.is_mkldnn and head.weight.numel() == 0
+
+
+def test_torch_compile_keeps_dense_weights(llama_model):
+    """inductor cannot trace an opaque oneDNN tensor, so --enable-torch-compile skips packing."""
+    runner = make_runner(llama_model, enable_torch_compile=True)
+    assert all(m.packed_weight is None and m.weight.numel() > 0 for m in _linears(runner.model))

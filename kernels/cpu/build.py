@@ -24,9 +24,13 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("paged_attention.cpp",)
-# -fopenmp-simd: honour `#pragma omp simd` without linking a second OpenMP runtime (the op runs
-# on torch's own thread pool through at::parallel_for); -ffp-contract=fast: fused multiply-adds.
-BASE_CFLAGS = ["-O3", "-DNDEBUG", "-fopenmp-simd", "-ffp-contract=fast"]
+# -fopenmp: at::parallel_for is a header template whose OpenMP backend is a `#pragma omp parallel`
+# compiled into the op itself; without the flag the pragma is ignored and every op ran on one
+# thread. It links no second runtime: the library asks for libgomp.so.1, which torch has already
+# loaded from its own lib/ folder, so the op shares torch's thread pool and thread count.
+# -ffp-contract=fast: fused multiply-adds.
+BASE_CFLAGS = ["-O3", "-DNDEBUG", "-fopenmp", "-ffp-contract=fast"]
+LDFLAGS = ["-fopenmp"]
 
 
 class KernelBuildError(RuntimeError):
@@ -125,7 +129,8 @@ def build_and_load() -> None:
         logger.info("Building the C++ CPU kernels in %s (once per machine).", folder)
     start = time.perf_counter()
     with build_lock(folder):
-        cpp_extension.load(name=name, sources=sources, extra_cflags=flags, build_directory=str(folder),
+        cpp_extension.load(name=name, sources=sources, extra_cflags=flags, extra_ldflags=LDFLAGS,
+                           build_directory=str(folder),
                            is_python_module=False, verbose=False)
     if fresh:
         logger.info("Built the C++ CPU kernels in %.1f s.", time.perf_counter() - start)

@@ -71,6 +71,8 @@ class Envs:
     SCHEDULER_STALE_S = EnvFloat(PREFIX + "SCHEDULER_STALE_S", 5.0)
     # CPU: reorder linear weights into oneDNN's blocked layout after loading (srt/layers/cpu_weight_packing.py).
     CPU_WEIGHT_PACKING = EnvBool(PREFIX + "CPU_WEIGHT_PACKING", True)
+    # CPU: fused C++ RMSNorm, SiLU-and-mul and RoPE (kernels/cpu/elementwise.py) instead of torch ops.
+    CPU_FUSED_OPS = EnvBool(PREFIX + "CPU_FUSED_OPS", True)
 
 
 envs = Envs()

@@ -7,6 +7,8 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import nn
 
+from srt.layers.cpu_fused_ops import fused_ops_for
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6):
@@ -17,6 +19,12 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
     ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+        ops = fused_ops_for(x, self.weight) if residual is None else fused_ops_for(x, residual, self.weight)
+        if ops is not None and x.is_contiguous() and (residual is None or residual.is_contiguous()):
+            shape = x.shape
+            out, res = ops.rms_norm(x.reshape(-1, shape[-1]), None if residual is None else
+                                    residual.reshape(-1, shape[-1]), self.weight, self.variance_epsilon)
+            return out.view(shape) if residual is None else (out.view(shape), res.view(shape))
         if residual is not None:
             x = x + residual
             residual = x

@@ -14,6 +14,8 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import nn
 
+from srt.layers.cpu_fused_ops import fused_ops_for
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -73,6 +75,9 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """q: `[n, H, D]`, k: `[n, KVH, D]`, positions: `[n]`."""
+        ops = fused_ops_for(q, k, self.cos_cache)
+        if ops is not None and q.stride(-1) == 1 and k.stride(-1) == 1:
+            return ops.rotary_embedding(positions, q, k, self.cos_cache, self.sin_cache)
         cos = self.cos_cache[positions].unsqueeze(1)
         sin = self.sin_cache[positions].unsqueeze(1)
         q = q * cos + self._rotate_half(q) * sin

@@ -100,6 +100,45 @@ inline float vsum(vfloat v) {
   return ((e[0] + e[4]) + (e[1] + e[5])) + ((e[2] + e[6]) + (e[3] + e[7]));
 }
 
+// Store kLanes floats as bf16, rounding to nearest even (NaN stays a quiet NaN), as c10 does.
+inline void vstore(c10::BFloat16* p, vfloat v) {
+  vuint bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  const vuint rounded = (bits + (((bits >> 16) & 1) + 0x7FFFu)) >> 16;
+  const vuint is_nan = reinterpret_cast<vuint>(v != v);  // all ones where NaN
+  const vuint out = (rounded & ~is_nan) | ((vuint{} + 0x7FC0u) & is_nan);
+  const vhalf narrow = __builtin_convertvector(out, vhalf);
+  std::memcpy(p, &narrow, sizeof(narrow));
+}
+
+// Rows of n values to and from fp32 buffers, whole vectors then a scalar tail.
+template <typename T>
+inline void load_row(const T* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) vstore(dst + i, vload(src + i));
+  for (; i < n; ++i) dst[i] = to_float(src[i]);
+}
+
+template <typename T>
+inline void store_row(T* dst, const float* src, int64_t n) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) vstore(dst + i, vload(src + i));
+  for (; i < n; ++i) dst[i] = from_float<T>(src[i]);
+}
+
+// What storing the row in T and reading it back gives: nothing to do for fp32, bf16 rounding.
+inline void round_row(float* /*row*/, int64_t /*n*/, float /*tag*/) {}
+
+inline void round_row(float* row, int64_t n, c10::BFloat16 /*tag*/) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    c10::BFloat16 tmp[kLanes];
+    vstore(tmp, vload(row + i));
+    vstore(row + i, vload(tmp));
+  }
+  for (; i < n; ++i) row[i] = to_float(from_float<c10::BFloat16>(row[i]));
+}
+
 // One K or V row as fp32: fp32 storage is used in place, bf16 is widened into `scratch` (whole
 // vectors, then a scalar tail), once per row however many query heads then read it.
 inline const float* float_row(const float* row, float* /*scratch*/, int64_t /*n*/) { return row; }

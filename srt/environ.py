@@ -73,6 +73,8 @@ class Envs:
     CPU_WEIGHT_PACKING = EnvBool(PREFIX + "CPU_WEIGHT_PACKING", True)
     # CPU: fused C++ RMSNorm, SiLU-and-mul and RoPE (kernels/cpu/elementwise.py) instead of torch ops.
     CPU_FUSED_OPS = EnvBool(PREFIX + "CPU_FUSED_OPS", True)
+    # CPU: raise glibc malloc's mmap/trim thresholds so activations are reused (srt/utils/host_allocator.py).
+    CPU_MALLOC_TUNING = EnvBool(PREFIX + "CPU_MALLOC_TUNING", True)
 
 
 envs = Envs()

@@ -25,6 +25,7 @@ from srt.model_executor.memory_sizing import (
 )
 from srt.model_loader.loader import get_model
 from srt.server_args import ServerArgs
+from srt.utils.host_allocator import tune_host_allocator
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,8 @@ class ModelRunner:
         if self.device == "cuda" and (gpu_id is not None or self.tp_size > 1):
             self.device = f"cuda:{tp_rank if gpu_id is None else gpu_id}"
             torch.cuda.set_device(self.device)
+        if self.device == "cpu":
+            tune_host_allocator()
         self.page_size = server_args.page_size
         torch.manual_seed(server_args.random_seed)
         self.model_config = model_config or ModelConfig.from_server_args(server_args)

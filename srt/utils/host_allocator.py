@@ -1,0 +1,53 @@
+"""Keep the CPU forward's large activations in the process heap between steps (glibc malloc).
+
+glibc serves blocks over M_MMAP_THRESHOLD (128 KiB, raised on the fly up to 32 MiB) with fresh
+mmaps and gives the heap's top back to the OS past M_TRIM_THRESHOLD. A CPU prefill allocates and
+frees tens of MiB per op (a 2,048-token chunk's gate/up output of SmolLM2 is 25 MiB), so every
+such tensor came back as new zeroed pages and paid a page fault per 4 KiB: SmolLM2's fp32 prefill
+spent ~20% of its time there. Raising both thresholds once per process keeps those blocks for
+reuse, the effect SGLang's CPU guide gets by preloading tcmalloc or jemalloc. The cost is RSS:
+the heap keeps its high-water mark (one forward's activations). The KV pool is one mmapped
+block above the threshold, untouched by this.
+
+A MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ / MALLOC_TOP_PAD_ in the environment, a
+non-glibc libc or SRT_CPU_MALLOC_TUNING=0 leaves malloc as it is.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import logging
+import os
+
+from srt.environ import envs
+
+logger = logging.getLogger(__name__)
+
+# mallopt parameters (malloc.h).
+M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
+MMAP_THRESHOLD = 32 << 20  # glibc's ceiling for this parameter on 64-bit
+TRIM_THRESHOLD = 1 << 30
+TOP_PAD = 64 << 20
+USER_VARS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
+
+
+@functools.lru_cache(maxsize=None)
+def tune_host_allocator() -> bool:
+    """Raise glibc's mmap and trim thresholds for this process, once; True when applied."""
+    if not envs.CPU_MALLOC_TUNING.get() or any(v in os.environ for v in USER_VARS):
+        return False
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError, TypeError):  # not glibc (musl, macOS): nothing to tune
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    applied = all(mallopt(param, value) == 1 for param, value in
+                  ((M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD), (M_TOP_PAD, TOP_PAD)))
+    if applied:
+        logger.info("glibc malloc keeps blocks up to %d MiB in the heap for reuse (SRT_CPU_MALLOC_TUNING=0 "
+                    "turns this off).", MMAP_THRESHOLD >> 20)
+    return applied

@@ -25,7 +25,6 @@ import json
 import math
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -115,27 +114,7 @@ def get_bench_llama(cache_dir: Path = CACHE_DIR) -> Path:
     """Path of the cached llama-26m folder, building SmolLM2 and then it first if missing (idempotent)."""
     smollm2 = mrm.get_real_model(cache_dir)
     final = cache_dir / f"{MODEL_NAME}-{cache_key(smollm2)}"
-    if (final / "config.json").is_file():
-        return final
-    tmp_root = cache_dir / ".tmp"
-    tmp_root.mkdir(parents=True, exist_ok=True)
-    for entry in tmp_root.iterdir():  # builds that died long ago; live ones are recent
-        if time.time() - entry.stat().st_mtime > mrm.STALE_TMP_SECONDS:
-            shutil.rmtree(entry, ignore_errors=True)
-    work = Path(tempfile.mkdtemp(prefix=f"{final.name}-", dir=tmp_root))
-    try:
-        build_bench_llama(work / "model", smollm2)
-        try:
-            (work / "model").rename(final)
-        except OSError:
-            if not (final / "config.json").is_file():  # not a twin build that finished first
-                raise
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    for old in cache_dir.glob(f"{MODEL_NAME}-*"):  # builds by older builders: ~96 MiB each
-        if old != final:
-            shutil.rmtree(old, ignore_errors=True)
-    return final
+    return mrm.build_into_cache(final, MODEL_NAME, lambda out: build_bench_llama(out, smollm2))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -31,6 +31,7 @@ import tempfile
 import time
 import zipfile
 from pathlib import Path
+from typing import Callable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the GGUF is local; never reach for the hub
 
@@ -183,8 +184,16 @@ def cache_key() -> str:
 def get_real_model(cache_dir: Path = CACHE_DIR) -> Path:
     """Path of the cached fp32 SmolLM2 folder, building it first if missing (idempotent)."""
     final = cache_dir / f"{MODEL_NAME}-{cache_key()}"
+    return build_into_cache(final, MODEL_NAME, lambda out: build_real_model(out, cache_dir / ".downloads"))
+
+
+def build_into_cache(final: Path, name: str, build: Callable[[Path], object]) -> Path:
+    """`final` when it holds a model; else `build(folder)` into a temporary sibling under
+    `<cache>/.tmp`, renamed into place (a parallel or aborted build never leaves a half-written
+    model), and older builds `<cache>/<name>-*` removed. Also used by make_bench_llama.py."""
     if (final / "config.json").is_file():
         return final
+    cache_dir = final.parent
     tmp_root = cache_dir / ".tmp"
     tmp_root.mkdir(parents=True, exist_ok=True)
     for entry in tmp_root.iterdir():  # builds that died long ago; live ones are recent
@@ -192,7 +201,7 @@ def get_real_model(cache_dir: Path = CACHE_DIR) -> Path:
             shutil.rmtree(entry, ignore_errors=True)
     work = Path(tempfile.mkdtemp(prefix=f"{final.name}-", dir=tmp_root))
     try:
-        build_real_model(work / "model", cache_dir / ".downloads")
+        build(work / "model")
         try:
             (work / "model").rename(final)
         except OSError:
@@ -200,7 +209,7 @@ def get_real_model(cache_dir: Path = CACHE_DIR) -> Path:
                 raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    for old in cache_dir.glob(f"{MODEL_NAME}-*"):  # builds by older builders: ~540 MB each
+    for old in cache_dir.glob(f"{name}-*"):  # builds by older builders (SmolLM2: ~540 MB each)
         if old != final:
             shutil.rmtree(old, ignore_errors=True)
     return final

@@ -43,3 +43,19 @@ def assert_pool_conserved(runner: ModelRunner) -> None:
     """Every KV slot back in the allocator and every request row free."""
     assert runner.token_to_kv_pool_allocator.available_size() == runner.max_total_num_tokens
     assert runner.req_to_token_pool.available_size() == runner.req_to_token_pool.size
+
+
+def hf_greedy_chat_answers(model_path, tokenizer, conversations, max_new_tokens: int) -> List[List[int]]:
+    """HF `generate`, greedy, one conversation at a time (chat template applied): the generated
+    ids, eos included. The oracle of the real-model tiers."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    answers = []
+    with torch.no_grad():
+        for messages in conversations:
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                                return_dict=True)
+            out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False)
+            answers.append(out[0, ids["input_ids"].shape[1]:].tolist())
+    return answers

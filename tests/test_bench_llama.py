@@ -17,6 +17,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from model_utils import hf_greedy_chat_answers
 from srt.entrypoints.engine import Engine
 from tiny_models import CACHE_DIR, REPO_ROOT, SKIP_REAL_MODEL_ENV, get_real_model, skip_real_model
 
@@ -66,16 +67,7 @@ def tokenizer(bench_model):
 
 @pytest.fixture(scope="module")
 def hf_answers(bench_model, tokenizer):
-    """HF `generate`, greedy, one conversation at a time: the generated ids (eos included)."""
-    model = AutoModelForCausalLM.from_pretrained(bench_model, dtype=torch.float32).eval()
-    answers = []
-    with torch.no_grad():
-        for messages in CONVERSATIONS:
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                                return_dict=True)
-            out = model.generate(**ids, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
-            answers.append(out[0, ids["input_ids"].shape[1]:].tolist())
-    return answers
+    return hf_greedy_chat_answers(bench_model, tokenizer, CONVERSATIONS, MAX_NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,9 @@ SRT_SKIP_REAL_MODEL=1 skips it, so a broken download never passes silently.
 from __future__ import annotations
 
 import pytest
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
+from model_utils import hf_greedy_chat_answers
 from srt.entrypoints.engine import Engine
 from tiny_models import SKIP_REAL_MODEL_ENV, get_real_model, skip_real_model
 
@@ -44,16 +44,7 @@ def tokenizer(real_model):
 
 @pytest.fixture(scope="module")
 def hf_answers(real_model, tokenizer):
-    """HF `generate`, greedy, one conversation at a time: the generated ids (eos included)."""
-    model = AutoModelForCausalLM.from_pretrained(real_model, dtype=torch.float32).eval()
-    answers = []
-    with torch.no_grad():
-        for messages in CONVERSATIONS:
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                                return_dict=True)
-            out = model.generate(**ids, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
-            answers.append(out[0, ids["input_ids"].shape[1]:].tolist())
-    return answers
+    return hf_greedy_chat_answers(real_model, tokenizer, CONVERSATIONS, MAX_NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")

@@ -149,7 +149,7 @@ def _check_sizes(server_args: ServerArgs, target_len: Optional[int], report: Rep
     from srt.distributed.tp_config import check_tp_size
 
     _scheduler_step(check_tp_size, cfg, server_args.tp_size)
-    weights = _check_weights(server_args, cfg, report)
+    weights = _check_weights(server_args, cfg, device, report)
     if server_args.tp_size > 1:
         weights //= server_args.tp_size
         report.add("weights per TP rank", f"{_size(weights)}", f"about 1/{server_args.tp_size} of the weights "
@@ -167,7 +167,8 @@ def _check_sizes(server_args: ServerArgs, target_len: Optional[int], report: Rep
     if budget is not None:
         _budget_rows(budget, server_args, derived.context_len, report)
     if target_len is not None:
-        context = ContextInfo(derived.context_len, derived.context_len_source, lambda c: loaded_model_nbytes(cfg, c))
+        context = ContextInfo(derived.context_len, derived.context_len_source, lambda c: loaded_model_nbytes(
+            cfg, c, device, server_args.enable_torch_compile))
         fp8_cell = MHATokenToKVPool.cell_size_bytes(cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers,
                                                     torch.float8_e4m3fn)
         report.data["target"] = plan_target(target_len, inputs, context, fp8_cell, budget, error)
@@ -190,7 +191,8 @@ def _add_tp_alternative(plan: Dict[str, Any], n: int, inputs: Any, server_args: 
         return MHATokenToKVPool.cell_size_bytes(num_kv_heads_per_rank(cfg.num_key_value_heads, t), cfg.head_dim,
                                                 cfg.num_hidden_layers, cfg.kv_cache_dtype)
 
-    alt = tp_alternative(n, inputs, loaded_model_nbytes(cfg), server_args.tp_size, valid_tp_sizes(cfg), cell_at)
+    alt = tp_alternative(n, inputs, loaded_model_nbytes(cfg, None, "cuda"), server_args.tp_size, valid_tp_sizes(cfg),
+                         cell_at)
     if alt is not None:
         plan["tp_alternative"] = alt
         plan["suggestion"] += " " + alt["text"]
@@ -248,10 +250,11 @@ def _sizing_inputs(server_args: ServerArgs, cfg: Any, device: str, pre: Any, wei
                         server_args.max_total_tokens, server_args.max_running_requests, kind)
 
 
-def _check_weights(server_args: ServerArgs, cfg: Any, report: Report) -> int:
+def _check_weights(server_args: ServerArgs, cfg: Any, device: str, report: Report) -> int:
     from srt.check_config_weights import checkpoint_size, loaded_model_nbytes
 
-    nbytes = _scheduler_step(loaded_model_nbytes, cfg)  # the model class first, as get_model
+    # The model class first, as get_model.
+    nbytes = _scheduler_step(loaded_model_nbytes, cfg, None, device, server_args.enable_torch_compile)
     if server_args.load_format == "dummy":
         report.add("weights on disk", "none", "--load-format dummy: seeded random weights", weight_bytes_disk=None)
     else:

@@ -13,6 +13,7 @@ from typing import List, Optional
 import torch
 
 from srt.configs.model_config import ModelConfig
+from srt.layers.cpu_weight_packing import packing_extra_nbytes
 from srt.model_executor.memory_sizing import module_nbytes
 from srt.model_loader.loader import default_dtype
 from srt.model_loader.weight_utils import list_safetensors_files
@@ -64,12 +65,14 @@ def checkpoint_size(model_path: str) -> CheckpointSize:
     return CheckpointSize(nbytes, count, [os.path.basename(f) for f in files], sorted(dtypes))
 
 
-def loaded_model_nbytes(config: ModelConfig, context_len: Optional[int] = None) -> int:
+def loaded_model_nbytes(config: ModelConfig, context_len: Optional[int] = None, device: str = "cpu",
+                        enable_torch_compile: bool = False) -> int:
     """Bytes of parameters and buffers (rotary cos/sin included, tied weights once) of the model
-    `get_model` would build, built on the meta device; `context_len` overrides the config's."""
+    `get_model` would build, built on the meta device, plus what CPU weight packing adds on `device`
+    (a tied LM head's packed copy); `context_len` overrides the config's."""
     if context_len is not None and context_len != config.context_len:
         config = dataclasses.replace(config, context_len=context_len)
     model_cls = resolve_model_cls(config.architectures)
     with default_dtype(config.dtype), torch.device("meta"):
         model = model_cls(config)
-    return module_nbytes(model)
+    return module_nbytes(model) + packing_extra_nbytes(model, device, config.dtype, enable_torch_compile)

@@ -64,12 +64,32 @@ def set_packed_weight(module: nn.Module, packed: torch.Tensor, free_dense: bool)
         module.weight = nn.Parameter(module.weight.new_empty((0, shape[1])), requires_grad=False)
 
 
+def will_pack(device: str, dtype: torch.dtype, enable_torch_compile: bool) -> bool:
+    """Whether `pack_model_weights` packs a model of this dtype on this device."""
+    return envs.CPU_WEIGHT_PACKING.get() and not enable_torch_compile and packing_supported(device, dtype)
+
+
+def _tied_head(model: nn.Module) -> Optional[nn.Module]:
+    lm_head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    return lm_head if lm_head is not None and lm_head is embed else None
+
+
+def packing_extra_nbytes(model: nn.Module, device: str, dtype: torch.dtype, enable_torch_compile: bool) -> int:
+    """Bytes packing adds to the model (a meta-device one will do): the packed copy of an LM head
+    tied to the input embedding. Every other packed weight replaces its dense copy."""
+    head = _tied_head(model)
+    if head is None or head.weight.dtype != dtype or not will_pack(device, dtype, enable_torch_compile):
+        return 0
+    return head.weight.numel() * head.weight.element_size()
+
+
 def pack_model_weights(model: nn.Module, device: str, dtype: torch.dtype, enable_torch_compile: bool) -> int:
     """Pack every linear layer of a loaded model and its LM head; returns how many were packed.
 
     The LM head is packed too; when it is tied to the input embedding, the embedding keeps its
     dense rows (it is a lookup table) and the head gets a packed copy."""
-    if not envs.CPU_WEIGHT_PACKING.get() or enable_torch_compile or not packing_supported(device, dtype):
+    if not will_pack(device, dtype, enable_torch_compile):
         return 0
     count = 0
     for module in model.modules():
@@ -79,8 +99,7 @@ def pack_model_weights(model: nn.Module, device: str, dtype: torch.dtype, enable
             count += 1
     lm_head = getattr(model, "lm_head", None)
     if lm_head is not None and getattr(lm_head, "weight", None) is not None and lm_head.weight.dtype == dtype:
-        embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-        set_packed_weight(lm_head, pack_weight(lm_head.weight), free_dense=lm_head is not embed)
+        set_packed_weight(lm_head, pack_weight(lm_head.weight), free_dense=_tied_head(model) is None)
         count += 1
     logger.info("Packed %d CPU linear weights into oneDNN's blocked layout (SRT_CPU_WEIGHT_PACKING=0 turns "
                 "this off).", count)

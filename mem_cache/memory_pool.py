@@ -11,6 +11,8 @@ from typing import List, Optional, Union
 
 import torch
 
+from srt.utils.host_allocator import trim_host_heap
+
 logger = logging.getLogger(__name__)
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -101,6 +103,7 @@ class MHATokenToKVPool:
         if torch.device(self.device).type != "cpu":
             return False
         self.k_buffer, self.v_buffer = [], []
+        trim_host_heap()  # old buffers malloc carved from its heap (not unmapped on free) go back too
         self._create_buffers()
         return True
 

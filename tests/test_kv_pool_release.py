@@ -30,3 +30,34 @@ def test_release_host_pages_returns_touched_pages_and_keeps_the_dummy_slot_zero(
     loc = torch.tensor([5, 9])
     pool.set_kv_buffer(0, loc, torch.ones(2, 2, 32), torch.full((2, 2, 32), 2.0))
     assert torch.equal(pool.get_value_buffer(0)[loc], torch.full((2, 2, 32), 2.0))
+
+
+def test_release_after_malloc_tuning_returns_a_pool_carved_from_the_heap():
+    """With the raised mmap/trim thresholds (as in a CPU model process) a pool buffer can be carved
+    from free heap space that an earlier, larger free left behind; dropping it then frees nothing
+    to the OS unless the heap is trimmed. Runs in a fresh interpreter: mallopt is process-wide."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = """
+import psutil, torch
+from srt.utils.host_allocator import tune_host_allocator
+from mem_cache.memory_pool import MHATokenToKVPool
+assert tune_host_allocator()
+rss = lambda: psutil.Process().memory_info().rss / 2**20
+big = [torch.ones(3_000_000) for _ in range(60)]  # 12 MB blocks: heap, not mmap
+del big  # ~720 MB of free heap kept by the 1 GiB trim threshold
+pool = MHATokenToKVPool(size=200_000, page_size=1, dtype=torch.float32, store_dtype=torch.float32,
+                        head_num=2, head_dim=32, layer_num=2, device="cpu")  # 4 x 51 MB
+for buf in pool.k_buffer + pool.v_buffer:
+    buf[1:].fill_(1.0)
+del buf
+touched = rss()
+assert pool.release_host_pages() is True
+print(touched - rss())
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert float(out.stdout.strip()) > 150

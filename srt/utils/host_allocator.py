@@ -34,18 +34,34 @@ USER_VARS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD
 
 
 @functools.lru_cache(maxsize=None)
+def _libc():
+    """glibc through ctypes, or None on another libc (musl, macOS): nothing to tune there."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        libc.mallopt.argtypes, libc.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+        libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+    except (OSError, AttributeError, TypeError):
+        return None
+    return libc
+
+
+def trim_host_heap() -> bool:
+    """Give the heap's free pages back to the OS (glibc `malloc_trim(0)`, which also releases free
+    chunks inside the heap). With the raised thresholds a freed block that was carved from the
+    heap stays resident until then; the CPU KV pool's release after a cache flush calls this."""
+    libc = _libc()
+    return bool(libc.malloc_trim(0)) if libc is not None else False
+
+
+@functools.lru_cache(maxsize=None)
 def tune_host_allocator() -> bool:
     """Raise glibc's mmap and trim thresholds for this process, once; True when applied."""
     if not envs.CPU_MALLOC_TUNING.get() or any(v in os.environ for v in USER_VARS):
         return False
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError, TypeError):  # not glibc (musl, macOS): nothing to tune
+    libc = _libc()
+    if libc is None:
         return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    applied = all(mallopt(param, value) == 1 for param, value in
+    applied = all(libc.mallopt(param, value) == 1 for param, value in
                   ((M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD), (M_TOP_PAD, TOP_PAD)))
     if applied:
         logger.info("glibc malloc keeps blocks up to %d MiB in the heap for reuse (SRT_CPU_MALLOC_TUNING=0 "

@@ -7,6 +7,8 @@ the storage and the `req_to_token` map from (request slot, position) to KV slot.
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 from typing import List, Optional, Union
 
 import torch
@@ -89,21 +91,31 @@ class MHATokenToKVPool:
         self._create_buffers()
 
     def _create_buffers(self) -> None:
-        # torch.empty: host pages are only touched when a slot is first written.
+        # Host pages are only touched when a slot is first written.
         shape = (self.rows, self.head_num, self.head_dim)
-        self.k_buffer = [torch.empty(shape, dtype=self.store_dtype, device=self.device) for _ in range(self.layer_num)]
-        self.v_buffer = [torch.empty(shape, dtype=self.store_dtype, device=self.device) for _ in range(self.layer_num)]
+        self.k_buffer = [self._buffer(shape) for _ in range(self.layer_num)]
+        self.v_buffer = [self._buffer(shape) for _ in range(self.layer_num)]
         for buf in self.k_buffer + self.v_buffer:
             buf[: self.page_size].zero_()
 
+    def _buffer(self, shape: tuple) -> torch.Tensor:
+        """`torch.empty`, except on CPU: an anonymous mapping of its own (zero pages on first touch),
+        unmapped when the buffer dies. From malloc, a buffer could be carved from free heap space
+        (the CPU model process raises malloc's thresholds), and freeing it would return nothing."""
+        if torch.device(self.device).type != "cpu":
+            return torch.empty(shape, dtype=self.store_dtype, device=self.device)
+        count = math.prod(shape)
+        mapping = mmap.mmap(-1, count * torch.empty((), dtype=self.store_dtype).element_size())
+        return torch.frombuffer(mapping, dtype=self.store_dtype, count=count).view(shape)  # keeps `mapping` alive
+
     def release_host_pages(self) -> bool:
-        """On CPU, give the touched pages of an empty pool back to the OS (fresh `torch.empty`
-        buffers; the old ones are unmapped). Only when no slot is in use (after a cache flush):
+        """On CPU, give the touched pages of an empty pool back to the OS (fresh buffers; the old
+        mappings are unmapped). Only when no slot is in use (after a cache flush):
         otherwise a host's RSS keeps every page the radix cache ever filled. No-op elsewhere."""
         if torch.device(self.device).type != "cpu":
             return False
         self.k_buffer, self.v_buffer = [], []
-        trim_host_heap()  # old buffers malloc carved from its heap (not unmapped on free) go back too
+        trim_host_heap()  # and what else the heap holds free
         self._create_buffers()
         return True
 

@@ -6,8 +6,8 @@ frees tens of MiB per op (a 2,048-token chunk's gate/up output of SmolLM2 is 25 
 such tensor came back as new zeroed pages and paid a page fault per 4 KiB: SmolLM2's fp32 prefill
 spent ~20% of its time there. Raising both thresholds once per process keeps those blocks for
 reuse, the effect SGLang's CPU guide gets by preloading tcmalloc or jemalloc. The cost is RSS:
-the heap keeps its high-water mark (one forward's activations). The KV pool is one mmapped
-block above the threshold, untouched by this.
+the heap keeps its high-water mark (one forward's activations). The CPU KV pool has anonymous
+mappings of its own (mem_cache/memory_pool.py), so its pages still go back on a cache flush.
 
 A MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ / MALLOC_TOP_PAD_ in the environment, a
 non-glibc libc or SRT_CPU_MALLOC_TUNING=0 leaves malloc as it is.

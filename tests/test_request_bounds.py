@@ -388,10 +388,21 @@ def test_http_ten_megabyte_chat_message_is_refused_in_seconds(server):
 
 
 def test_http_rid_in_flight_is_refused_naming_it(server):
-    long = {"max_new_tokens": 1500, "temperature": 0, "ignore_eos": True}
-    with requests.post(server.url + "/generate", json={"text": "A story", "rid": "dup-1", "stream": True,
-                                                       "sampling_params": long}, stream=True, timeout=60) as first:
+    # "dup-1" must still be running when its twin arrives, however fast decoding has become (a
+    # lone 1,500-token request once finished first): up to the context, with eight companions
+    # in the batch making every step dearer; all are aborted at the end.
+    long = {"max_new_tokens": 2000, "temperature": 0, "ignore_eos": True}
+    rids = [f"pad-{i}" for i in range(8)] + ["dup-1"]
+    streams = [requests.post(server.url + "/generate", json={"text": "A story", "rid": rid, "stream": True,
+                                                             "sampling_params": long}, stream=True, timeout=60)
+               for rid in rids]
+    try:
+        first = streams[-1]
         assert first.status_code == 200 and next(first.iter_lines()).startswith(b"data: ")  # running
         again = server.post("/generate", json={"text": "hi", "rid": "dup-1", "sampling_params": {"max_new_tokens": 1}})
         assert again.status_code == 400 and "'dup-1'" in again.json()["error"]["message"]
-        assert server.post("/abort_request", json={"rid": "dup-1"}).status_code == 200
+        for rid in rids:
+            assert server.post("/abort_request", json={"rid": rid}).status_code == 200
+    finally:
+        for stream in streams:
+            stream.close()

@@ -22,6 +22,7 @@ from managers.scheduler_output import accumulate_input_logprobs, append_token, b
 from mem_cache.chunk_cache import ChunkCache
 from mem_cache.radix_cache import RadixCache
 from srt.environ import envs
+from srt.utils.host_allocator import trim_host_heap
 
 logger = logging.getLogger(__name__)
 
@@ -360,7 +361,8 @@ class Scheduler:
         self.tree_cache.reset()
         self.runner.req_to_token_pool.clear()
         self.runner.token_to_kv_pool_allocator.clear()
-        self.runner.token_to_kv_pool.release_host_pages()  # CPU: RSS back to what it was at start
+        if self.runner.token_to_kv_pool.release_host_pages():  # CPU: RSS back to what it was at start
+            trim_host_heap()  # and the free blocks the tuned malloc keeps in its heap
         return FlushCacheReqOutput(True, "Cache flushed.")
 
     def token_usage(self) -> float:

@@ -13,8 +13,6 @@ from typing import List, Optional, Union
 
 import torch
 
-from srt.utils.host_allocator import trim_host_heap
-
 logger = logging.getLogger(__name__)
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -105,7 +103,7 @@ class MHATokenToKVPool:
         if torch.device(self.device).type != "cpu":
             return torch.empty(shape, dtype=self.store_dtype, device=self.device)
         count = math.prod(shape)
-        mapping = mmap.mmap(-1, count * torch.empty((), dtype=self.store_dtype).element_size())
+        mapping = mmap.mmap(-1, count * self.store_dtype.itemsize)
         return torch.frombuffer(mapping, dtype=self.store_dtype, count=count).view(shape)  # keeps `mapping` alive
 
     def release_host_pages(self) -> bool:
@@ -115,7 +113,6 @@ class MHATokenToKVPool:
         if torch.device(self.device).type != "cpu":
             return False
         self.k_buffer, self.v_buffer = [], []
-        trim_host_heap()  # and what else the heap holds free
         self._create_buffers()
         return True
 

@@ -47,7 +47,7 @@ from srt.utils.host_allocator import tune_host_allocator
 from mem_cache.memory_pool import MHATokenToKVPool
 assert tune_host_allocator()
 rss = lambda: psutil.Process().memory_info().rss / 2**20
-big = [torch.ones(3_000_000) for _ in range(60)]  # 12 MB blocks: heap, not mmap
+big = [torch.ones(3_000_000, device="cpu") for _ in range(60)]  # 12 MB blocks: heap, not mmap
 del big  # ~720 MB of free heap kept by the 1 GiB trim threshold
 pool = MHATokenToKVPool(size=200_000, page_size=1, dtype=torch.float32, store_dtype=torch.float32,
                         head_num=2, head_dim=32, layer_num=2, device="cpu")  # 4 x 51 MB

@@ -47,8 +47,8 @@ def _libc():
 
 def trim_host_heap() -> bool:
     """Give the heap's free pages back to the OS (glibc `malloc_trim(0)`, which also releases free
-    chunks inside the heap). With the raised thresholds a freed block that was carved from the
-    heap stays resident until then; the CPU KV pool's release after a cache flush calls this."""
+    chunks inside the heap). With the raised thresholds freed blocks stay resident until then; the
+    scheduler calls this on a cache flush, after the CPU KV pool unmaps its buffers."""
     libc = _libc()
     return bool(libc.malloc_trim(0)) if libc is not None else False
 

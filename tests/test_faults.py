@@ -108,12 +108,15 @@ def _ignore_errors(fn, *args, **kw):
 def test_sigterm_under_load_drains_in_flight_requests_and_refuses_new_ones(fresh_server):
     handle = fresh_server("--skip-server-warmup")
     pids = runtime_pids(handle)
-    body = {"text": "Drain me", "sampling_params": {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}}
+    # long enough that all eight are in flight together however fast decoding is (at 40 tokens the
+    # first ones finished before the last arrived in a CI run, and the count never reached eight)
+    n_tokens = 600
+    body = {"text": "Drain me", "sampling_params": {"max_new_tokens": n_tokens, "temperature": 0, "ignore_eos": True}}
     with ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(handle.post, "/generate", json=body) for _ in range(8)]
         deadline = time.monotonic() + 20
-        while handle.get("/get_server_info").json()["num_front_end_requests"] < 8:
-            assert time.monotonic() < deadline
+        while (in_flight := handle.get("/get_server_info").json()["num_front_end_requests"]) < 8:
+            assert time.monotonic() < deadline, f"{in_flight} of 8 in flight; done: {sum(f.done() for f in futures)}"
             time.sleep(0.02)
         handle.proc.send_signal(signal.SIGTERM)
         time.sleep(0.2)
@@ -122,7 +125,7 @@ def test_sigterm_under_load_drains_in_flight_requests_and_refuses_new_ones(fresh
     assert handle.proc.wait(30) == 0
     for resp in results:  # every in-flight request ran to its end: 200 with all its tokens
         assert resp.status_code == 200, resp.text
-        assert resp.json()["meta_info"]["completion_tokens"] == 40
+        assert resp.json()["meta_info"]["completion_tokens"] == n_tokens
     if refused is not None:  # the listener may already be closed when every request is done
         assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
         assert "Retry-After" in refused.headers

@@ -16,7 +16,13 @@ pytestmark = pytest.mark.skipif(not packing_supported("cpu", torch.float32),
                                 reason="this torch build has no oneDNN (CPU weight packing is off)")
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)], ids=["fp32", "bf16"])
+BF16_PACKS = packing_supported("cpu", torch.bfloat16)  # oneDNN needs AVX-512 or AVX-NE-CONVERT for it
+
+
+@pytest.mark.parametrize("dtype,tol", [
+    (torch.float32, 1e-5),
+    pytest.param(torch.bfloat16, 1e-2, marks=pytest.mark.skipif(not BF16_PACKS, reason="no bf16 packing on this CPU")),
+], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("rows", [0, 1, 7, 16, 300])
 @pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
 def test_packed_linear_equals_dense(dtype, tol, rows, bias):
@@ -33,6 +39,16 @@ def test_packed_linear_takes_a_non_contiguous_input():
     w = torch.randn(32, 16)
     x = torch.randn(16, 10).t()  # [10, 16], column-major
     torch.testing.assert_close(packed_linear(x, pack_weight(w)), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_a_bf16_model_keeps_dense_weights_where_the_cpu_cannot_pack_them(tiny_model_factory, monkeypatch):
+    from srt.layers import cpu_weight_packing
+    monkeypatch.setattr(cpu_weight_packing, "_packs_on_this_cpu", lambda dtype: dtype == torch.float32)
+    runner = make_runner(tiny_model_factory("llama"), dtype="bfloat16")
+    assert all(m.packed_weight is None and m.weight.numel() > 0 for m in _linears(runner.model))
+    toks, _ = greedy_run(runner, random_prompts(500, (5, 9), seed=1), steps=3)
+    assert len(toks) == 2 and all(len(t) == 4 for t in toks)
+    assert_pool_conserved(runner)
 
 
 def _linears(model):

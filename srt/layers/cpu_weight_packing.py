@@ -16,6 +16,7 @@ cannot trace an opaque oneDNN tensor; the compiled graph keeps the dense weights
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Optional
 
@@ -35,7 +36,24 @@ def packing_supported(device: str, dtype: torch.dtype) -> bool:
     """Whether linear weights of this dtype on this device can be packed here."""
     return (str(device).startswith("cpu") and dtype in PACKABLE_DTYPES and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise") and _packs_on_this_cpu(dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def _packs_on_this_cpu(dtype: torch.dtype) -> bool:
+    """oneDNN's bf16 packing needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT and raises without them
+    (an AVX2-only CPU): one small weight packed and used tells, and the model then keeps its dense
+    weights."""
+    try:
+        packed = pack_weight(torch.ones(8, 8, dtype=dtype))
+        out = packed_linear(torch.ones(2, 8, dtype=dtype), packed)
+        ok = bool(torch.all(out == 8))
+    except RuntimeError as exc:
+        logger.info("Not packing %s CPU weights: oneDNN cannot on this CPU (%s).", dtype, str(exc).splitlines()[0])
+        return False
+    if not ok:
+        logger.warning("Not packing %s CPU weights: a packed test weight gave wrong results on this CPU.", dtype)
+    return ok
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -71,6 +71,8 @@ class Envs:
     SCHEDULER_STALE_S = EnvFloat(PREFIX + "SCHEDULER_STALE_S", 5.0)
     # CPU: reorder linear weights into oneDNN's blocked layout after loading (srt/layers/cpu_weight_packing.py).
     CPU_WEIGHT_PACKING = EnvBool(PREFIX + "CPU_WEIGHT_PACKING", True)
+    # CPU without bf16 matmul kernels: pack bf16 linear weights as fp32 (srt/layers/cpu_weight_packing.py).
+    CPU_WIDEN_BF16 = EnvBool(PREFIX + "CPU_WIDEN_BF16", True)
     # CPU: fused C++ RMSNorm, SiLU-and-mul and RoPE (kernels/cpu/elementwise.py) instead of torch ops.
     CPU_FUSED_OPS = EnvBool(PREFIX + "CPU_FUSED_OPS", True)
     # CPU: raise glibc malloc's mmap/trim thresholds so activations are reused (srt/utils/host_allocator.py).

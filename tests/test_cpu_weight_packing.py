@@ -9,6 +9,9 @@ import torch.nn.functional as F
 
 from model_utils import assert_pool_conserved, greedy_run, make_runner, random_prompts
 from srt.layers.linear import LinearBase
+from srt.check_config_weights import loaded_model_nbytes
+from srt.configs.model_config import ModelConfig
+from srt.layers import cpu_weight_packing
 from srt.layers.cpu_weight_packing import pack_weight, packed_linear, packing_supported
 from srt.model_executor.memory_sizing import module_nbytes
 
@@ -44,6 +47,7 @@ def test_packed_linear_takes_a_non_contiguous_input():
 def test_a_bf16_model_keeps_dense_weights_where_the_cpu_cannot_pack_them(tiny_model_factory, monkeypatch):
     from srt.layers import cpu_weight_packing
     monkeypatch.setattr(cpu_weight_packing, "_packs_on_this_cpu", lambda dtype: dtype == torch.float32)
+    monkeypatch.setenv("SRT_CPU_WIDEN_BF16", "0")
     runner = make_runner(tiny_model_factory("llama"), dtype="bfloat16")
     assert all(m.packed_weight is None and m.weight.numel() > 0 for m in _linears(runner.model))
     toks, _ = greedy_run(runner, random_prompts(500, (5, 9), seed=1), steps=3)
@@ -99,3 +103,55 @@ def test_torch_compile_keeps_dense_weights(llama_model):
     """inductor cannot trace an opaque oneDNN tensor, so --enable-torch-compile skips packing."""
     runner = make_runner(llama_model, enable_torch_compile=True)
     assert all(m.packed_weight is None and m.weight.numel() > 0 for m in _linears(runner.model))
+
+
+# ---------------------------------------------------------------------- bf16 widened to fp32
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+def test_widened_bf16_linear_is_the_fp32_product_rounded_to_bf16(bias):
+    g = torch.Generator().manual_seed(5)
+    w = (torch.randn(96, 80, generator=g) * 0.1).bfloat16()
+    b = torch.randn(96, generator=g).bfloat16() if bias else None
+    x = torch.randn(7, 80, generator=g).bfloat16()
+    packed = pack_weight(w, widen=True)
+    assert packed.dtype == torch.float32
+    want = F.linear(x.float(), w.float(), None if b is None else b.float())
+    got = packed_linear(x, packed, b)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.bfloat16().float(), rtol=0, atol=0)
+    wide = packed_linear(x, packed, b, out_dtype=torch.float32)
+    assert wide.dtype == torch.float32
+    torch.testing.assert_close(wide, want, rtol=1e-5, atol=1e-5)
+    assert packed_linear(x[:0], packed, b).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_bf16_model_without_bf16_matmuls_runs_on_widened_weights(tiny_model_factory, monkeypatch, tied):
+    """On a CPU without bf16 matrix instructions (forced here): fp32 packed weights, bf16 everywhere
+    else, the same greedy tokens as the bf16 model on torch's bf16 matmuls, and the fp32 bytes
+    counted in the load and in check_config's meta-device estimate alike."""
+    monkeypatch.setattr(cpu_weight_packing, "cpu_has_fast_bf16", lambda: False)
+    path = tiny_model_factory("llama", tie_word_embeddings=tied)
+    prompts = random_prompts(500, (5, 33, 17), seed=4)
+    wide = make_runner(path, dtype="bfloat16")
+    layers = _linears(wide.model)
+    assert layers and all(m.packed_weight.dtype == torch.float32 and m.weight.numel() == 0 for m in layers)
+    assert wide.model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert wide.token_to_kv_pool.k_buffer[0].dtype == torch.bfloat16
+    toks, logits = greedy_run(wide, prompts, steps=8)
+    monkeypatch.setenv("SRT_CPU_WIDEN_BF16", "0")
+    monkeypatch.setenv("SRT_CPU_WEIGHT_PACKING", "0")
+    dense = make_runner(path, dtype="bfloat16")
+    ref_toks, ref_logits = greedy_run(dense, prompts, steps=8)
+    torch.testing.assert_close(logits, ref_logits, rtol=0.05, atol=0.05)
+    assert sum(a == b for t, r in zip(toks, ref_toks) for a, b in zip(t, r)) >= 0.9 * sum(map(len, toks))
+    # Every linear weight (and a tied head's copy) now takes 4 bytes a value instead of 2.
+    extra = sum(m.weight.numel() * 2 for m in _linears(dense.model))
+    head = dense.model.lm_head.weight.numel()
+    extra += head * 4 if tied else head * 2
+    assert module_nbytes(wide.model) == module_nbytes(dense.model) + extra
+    monkeypatch.delenv("SRT_CPU_WIDEN_BF16")
+    monkeypatch.delenv("SRT_CPU_WEIGHT_PACKING")
+    config = ModelConfig.load(str(path), "bfloat16")
+    assert loaded_model_nbytes(config, device="cpu") == module_nbytes(wide.model)
+    assert_pool_conserved(wide)
+    assert_pool_conserved(dense)

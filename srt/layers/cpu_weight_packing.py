@@ -9,6 +9,13 @@ goes through `torch.ops.mkldnn._linear_pointwise`. The dense copy is then freed:
 is the weight. Measured on SmolLM2-135M's 120 decode matmuls at 16 rows (2 threads): fp32 3.4x,
 bf16 1.8x faster (README, "Packed CPU weights").
 
+bf16 on a CPU without bf16 matrix instructions (no AVX512-BF16 / AMX, e.g. AVX2-only): oneDNN has no
+bf16 matmul kernels there and torch's fallback is 5-15x slower than fp32, so each bf16 weight is
+widened to fp32 once and packed ("widened" packing): the activations, the KV cache and every other
+op stay bf16, each linear takes its input to fp32 and rounds its output back, the same numbers an
+fp32-accumulating bf16 matmul gives. The weights then take fp32 bytes (counted, and
+`SRT_CPU_WIDEN_BF16=0` keeps bf16 weights on the slow path).
+
 Off on CUDA, for other dtypes, where torch has no oneDNN, under `--enable-torch-compile` (inductor
 cannot trace an opaque oneDNN tensor; the compiled graph keeps the dense weights) and with
 `SRT_CPU_WEIGHT_PACKING=0`.
@@ -56,16 +63,42 @@ def _packs_on_this_cpu(dtype: torch.dtype) -> bool:
     return ok
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` [out, in] reordered into oneDNN's blocked layout (an opaque mkldnn tensor)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), BATCH_SIZE_HINT)
+def cpu_has_fast_bf16() -> bool:
+    """Whether oneDNN has bf16 matmul kernels here (AVX512-BF16 or AMX); without them torch runs
+    bf16 linears on a slow path (5-15x fp32 on an AVX2-only CPU)."""
+    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    try:
+        return bool(probe()) if probe is not None else True
+    except RuntimeError:
+        return True
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` over the packed weight; x is [..., in]."""
+def widens_bf16(device: str, dtype: torch.dtype) -> bool:
+    """Whether bf16 weights are packed as fp32 here (no bf16 matmul kernels on this CPU)."""
+    return (dtype == torch.bfloat16 and str(device).startswith("cpu") and envs.CPU_WIDEN_BF16.get()
+            and not cpu_has_fast_bf16() and packing_supported(device, torch.float32))
+
+
+def pack_weight(weight: torch.Tensor, widen: bool = False) -> torch.Tensor:
+    """`weight` [out, in] reordered into oneDNN's blocked layout (an opaque mkldnn tensor); with
+    `widen`, as fp32."""
+    weight = weight.detach()
+    return torch.ops.mkldnn._reorder_linear_weight((weight.float() if widen else weight).contiguous(),
+                                                   BATCH_SIZE_HINT)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                  out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` over the packed weight; x is [..., in]. A widened (fp32) weight
+    takes x and bias to fp32; the output is in `out_dtype` (default x's dtype)."""
+    out_dtype = out_dtype or x.dtype
     if x.shape[0] == 0:  # oneDNN refuses an empty problem
-        return x.new_empty(*x.shape[:-1], packed.shape[0])
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+        return x.new_empty(*x.shape[:-1], packed.shape[0], dtype=out_dtype)
+    if packed.dtype != x.dtype:
+        x = x.to(packed.dtype)
+        bias = None if bias is None else bias.to(packed.dtype)
+    out = torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+    return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
 def packed_nbytes(packed: torch.Tensor) -> int:
@@ -84,7 +117,8 @@ def set_packed_weight(module: nn.Module, packed: torch.Tensor, free_dense: bool)
 
 def will_pack(device: str, dtype: torch.dtype, enable_torch_compile: bool) -> bool:
     """Whether `pack_model_weights` packs a model of this dtype on this device."""
-    return envs.CPU_WEIGHT_PACKING.get() and not enable_torch_compile and packing_supported(device, dtype)
+    return (envs.CPU_WEIGHT_PACKING.get() and not enable_torch_compile
+            and (widens_bf16(device, dtype) or packing_supported(device, dtype)))
 
 
 def _tied_head(model: nn.Module) -> Optional[nn.Module]:
@@ -93,13 +127,30 @@ def _tied_head(model: nn.Module) -> Optional[nn.Module]:
     return lm_head if lm_head is not None and lm_head is embed else None
 
 
+def _packable(model: nn.Module, dtype: torch.dtype) -> list:
+    """The modules `pack_model_weights` packs: every linear layer of `dtype`, then the LM head."""
+    # Linear layers declare the (empty) `packed_weight` slot; the LM head does not.
+    found = [m for m in model.modules()
+             if "packed_weight" in m._buffers and m.weight.dtype == dtype and m.weight.dim() == 2]
+    lm_head = getattr(model, "lm_head", None)
+    if lm_head is not None and getattr(lm_head, "weight", None) is not None and lm_head.weight.dtype == dtype:
+        found.append(lm_head)
+    return found
+
+
 def packing_extra_nbytes(model: nn.Module, device: str, dtype: torch.dtype, enable_torch_compile: bool) -> int:
     """Bytes packing adds to the model (a meta-device one will do): the packed copy of an LM head
-    tied to the input embedding. Every other packed weight replaces its dense copy."""
-    head = _tied_head(model)
-    if head is None or head.weight.dtype != dtype or not will_pack(device, dtype, enable_torch_compile):
+    tied to the input embedding, and with widened bf16 the fp32 half of every packed weight. Every
+    other packed weight replaces its dense copy."""
+    if not will_pack(device, dtype, enable_torch_compile):
         return 0
-    return head.weight.numel() * head.weight.element_size()
+    packed_size = 4 if widens_bf16(device, dtype) else torch.tensor([], dtype=dtype).element_size()
+    extra = 0
+    head = _tied_head(model)
+    for module in _packable(model, dtype):
+        numel, size = module.weight.numel(), module.weight.element_size()
+        extra += numel * packed_size if module is head else numel * (packed_size - size)
+    return extra
 
 
 def pack_model_weights(model: nn.Module, device: str, dtype: torch.dtype, enable_torch_compile: bool) -> int:
@@ -109,16 +160,15 @@ def pack_model_weights(model: nn.Module, device: str, dtype: torch.dtype, enable
     dense rows (it is a lookup table) and the head gets a packed copy."""
     if not will_pack(device, dtype, enable_torch_compile):
         return 0
-    count = 0
-    for module in model.modules():
-        # Linear layers declare the (empty) `packed_weight` slot; the LM head does not.
-        if "packed_weight" in module._buffers and module.weight.dtype == dtype and module.weight.dim() == 2:
-            set_packed_weight(module, pack_weight(module.weight), free_dense=True)
-            count += 1
-    lm_head = getattr(model, "lm_head", None)
-    if lm_head is not None and getattr(lm_head, "weight", None) is not None and lm_head.weight.dtype == dtype:
-        set_packed_weight(lm_head, pack_weight(lm_head.weight), free_dense=_tied_head(model) is None)
-        count += 1
-    logger.info("Packed %d CPU linear weights into oneDNN's blocked layout (SRT_CPU_WEIGHT_PACKING=0 turns "
-                "this off).", count)
-    return count
+    widen, head = widens_bf16(device, dtype), _tied_head(model)
+    modules = _packable(model, dtype)
+    for module in modules:
+        set_packed_weight(module, pack_weight(module.weight, widen), free_dense=module is not head)
+    if widen:
+        logger.info("Packed %d CPU linear weights into oneDNN's blocked layout, widened to fp32: this CPU has no "
+                    "bf16 matrix instructions (AVX512-BF16 / AMX), so bf16 matmuls run in fp32 and the weights "
+                    "take fp32 bytes (SRT_CPU_WIDEN_BF16=0 keeps them bf16 on a 5-15x slower path).", len(modules))
+    else:
+        logger.info("Packed %d CPU linear weights into oneDNN's blocked layout (SRT_CPU_WEIGHT_PACKING=0 turns "
+                    "this off).", len(modules))
+    return len(modules)

@@ -38,7 +38,7 @@ class LogitsProcessor(nn.Module):
         """fp32 logits over the whole vocabulary: this rank's slice, gathered over the TP ranks
         (rank order = vocabulary order) and cut to the real vocabulary (no padding rows)."""
         if weight.is_mkldnn:  # packed on CPU (srt/layers/cpu_weight_packing.py)
-            local = packed_linear(hidden, weight)
+            local = packed_linear(hidden, weight, out_dtype=torch.float32)
         else:
             local = hidden @ weight.T
         logits = tensor_model_parallel_all_gather(local.float(), dim=-1)

@@ -12,7 +12,7 @@ from kernels.attention import create_attention_backend, resolve_attention_backen
 from mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from srt.configs.model_config import ModelConfig
-from srt.layers.cpu_weight_packing import pack_model_weights
+from srt.layers.cpu_weight_packing import pack_model_weights, widens_bf16
 from srt.layers.logits_processor import LogitsProcessorOutput
 from srt.layers.sampler import SampleOutput, Sampler
 from srt.distributed.parallel_state import all_reduce_min_int, broadcast_tensor, init_tp_group
@@ -23,7 +23,7 @@ from srt.model_executor.memory_sizing import (
     KVBudget, MemoryReading, compute_kv_budget, default_mem_fraction_static, fixed_kv_budget,
     free_memory_after_load, read_free_memory,
 )
-from srt.model_loader.loader import get_model
+from srt.model_loader.loader import get_model, warn_slow_cpu_bf16
 from srt.server_args import ServerArgs
 from srt.utils.host_allocator import tune_host_allocator
 
@@ -72,7 +72,8 @@ class ModelRunner:
         self.attention_backend_name = resolve_attention_backend(server_args.attention_backend, self.device, self.dtype)
         pre = read_free_memory(self.device) if max_total_tokens is None else None
         self.model = get_model(self.model_config, server_args.load_format, self.device, server_args.random_seed)
-        pack_model_weights(self.model, self.device, self.dtype, server_args.enable_torch_compile)
+        packed = pack_model_weights(self.model, self.device, self.dtype, server_args.enable_torch_compile)
+        warn_slow_cpu_bf16(self.dtype, self.device, widened=packed > 0 and widens_bf16(self.device, self.dtype))
         self.kv_budget = self._agree_over_ranks(self._size_kv_pool(pre, max_total_tokens, max_running_requests))
         self.kv_budget.log()
         self.max_req_len = self.kv_budget.max_req_len

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from srt.configs.model_config import ModelConfig
+from srt.layers.cpu_weight_packing import cpu_has_fast_bf16
 from srt.model_loader.weight_utils import list_safetensors_files, safetensors_weights_iterator
 from srt.models.registry import resolve_model_cls
 
@@ -56,23 +57,15 @@ def get_model(config: ModelConfig, load_format: str = "auto", device: str = "cpu
     model.eval()
     logger.info("Loaded %s (%s, %.1fM parameters) on %s.", type(model).__name__, config.dtype,
                 sum(p.numel() for p in model.parameters()) / 1e6, device)
-    warn_slow_cpu_bf16(config.dtype, device)
     return model
 
 
-def cpu_has_fast_bf16() -> bool:
-    """Whether oneDNN has bf16 matmul kernels here (AVX512-BF16 or AMX); without them torch runs
-    bf16 linears on a slow path (~4x fp32 on an AVX2-only CPU)."""
-    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    try:
-        return bool(probe()) if probe is not None else True
-    except RuntimeError:
-        return True
-
-
-def warn_slow_cpu_bf16(dtype: torch.dtype, device: str) -> bool:
-    if dtype != torch.bfloat16 or not str(device).startswith("cpu") or cpu_has_fast_bf16():
+def warn_slow_cpu_bf16(dtype: torch.dtype, device: str, widened: bool = False) -> bool:
+    """Warn when bf16 linears will run on torch's slow path: a CPU without bf16 matrix instructions
+    whose weights were not widened to fp32 (srt/layers/cpu_weight_packing.py)."""
+    if dtype != torch.bfloat16 or not str(device).startswith("cpu") or widened or cpu_has_fast_bf16():
         return False
-    logger.warning("bfloat16 on a CPU without bf16 matrix instructions (no AVX512-BF16 / AMX): matmuls take "
-                   "a slow path, about 4x slower than float32 here. Use --dtype float32 for speed.")
+    logger.warning("bfloat16 on a CPU without bf16 matrix instructions (no AVX512-BF16 / AMX) and without widened "
+                   "weights (SRT_CPU_WIDEN_BF16=0, SRT_CPU_WEIGHT_PACKING=0 or --enable-torch-compile): matmuls "
+                   "take a slow path, 5-15x slower than float32 here. Use --dtype float32 for speed.")
     return True

@@ -45,7 +45,6 @@ def test_packed_linear_takes_a_non_contiguous_input():
 
 
 def test_a_bf16_model_keeps_dense_weights_where_the_cpu_cannot_pack_them(tiny_model_factory, monkeypatch):
-    from srt.layers import cpu_weight_packing
     monkeypatch.setattr(cpu_weight_packing, "_packs_on_this_cpu", lambda dtype: dtype == torch.float32)
     monkeypatch.setenv("SRT_CPU_WIDEN_BF16", "0")
     runner = make_runner(tiny_model_factory("llama"), dtype="bfloat16")

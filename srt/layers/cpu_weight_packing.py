@@ -144,7 +144,7 @@ def packing_extra_nbytes(model: nn.Module, device: str, dtype: torch.dtype, enab
     other packed weight replaces its dense copy."""
     if not will_pack(device, dtype, enable_torch_compile):
         return 0
-    packed_size = 4 if widens_bf16(device, dtype) else torch.tensor([], dtype=dtype).element_size()
+    packed_size = (torch.float32 if widens_bf16(device, dtype) else dtype).itemsize
     extra = 0
     head = _tied_head(model)
     for module in _packable(model, dtype):

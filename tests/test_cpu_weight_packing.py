@@ -1,5 +1,6 @@
-"""oneDNN-packed CPU linear weights: same numbers as the dense F.linear path (the oracle), the
-dense copies freed, the packed bytes counted, and the switches that turn packing off."""
+"""Packed CPU linear weights (oneDNN's layout, and kernels/cpu/gemm.py's panels): same numbers as
+the dense F.linear path (the oracle), the dense copies freed, the packed bytes counted, which
+layout `SRT_CPU_GEMM` picks, and the switches that turn packing off."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from srt.check_config_weights import loaded_model_nbytes
 from srt.configs.model_config import ModelConfig
 from srt.layers import cpu_weight_packing
 from srt.layers.cpu_weight_packing import pack_weight, packed_linear, packing_supported
+from kernels.cpu.gemm import load_gemm_ops, panel_width
 from srt.model_executor.memory_sizing import module_nbytes
 
 pytestmark = pytest.mark.skipif(not packing_supported("cpu", torch.float32),
@@ -20,6 +22,18 @@ pytestmark = pytest.mark.skipif(not packing_supported("cpu", torch.float32),
 
 
 BF16_PACKS = packing_supported("cpu", torch.bfloat16)  # oneDNN needs AVX-512 or AVX-NE-CONVERT for it
+GEMMS = ["onednn", pytest.param("srt", marks=pytest.mark.skipif(not load_gemm_ops(), reason="no C++ kernels here"))]
+
+
+@pytest.fixture(params=GEMMS)
+def gemm(request, monkeypatch):
+    """Every model test below runs once per packed layout."""
+    monkeypatch.setenv("SRT_CPU_GEMM", request.param)
+    return request.param
+
+
+def _padded_rows(rows: int, gemm: str) -> int:
+    return -(-rows // panel_width()) * panel_width() if gemm == "srt" else rows
 
 
 @pytest.mark.parametrize("dtype,tol", [
@@ -46,6 +60,7 @@ def test_packed_linear_takes_a_non_contiguous_input():
 
 def test_a_bf16_model_keeps_dense_weights_where_the_cpu_cannot_pack_them(tiny_model_factory, monkeypatch):
     monkeypatch.setattr(cpu_weight_packing, "_packs_on_this_cpu", lambda dtype: dtype == torch.float32)
+    monkeypatch.setenv("SRT_CPU_GEMM", "onednn")
     monkeypatch.setenv("SRT_CPU_WIDEN_BF16", "0")
     runner = make_runner(tiny_model_factory("llama"), dtype="bfloat16")
     assert all(m.packed_weight is None and m.weight.numel() > 0 for m in _linears(runner.model))
@@ -58,26 +73,31 @@ def _linears(model):
     return [m for m in model.modules() if isinstance(m, LinearBase)]
 
 
-def test_runner_packs_every_linear_and_frees_the_dense_weights(tiny_model_factory, monkeypatch):
+def test_runner_packs_every_linear_and_frees_the_dense_weights(tiny_model_factory, monkeypatch, gemm):
     path = tiny_model_factory("qwen2", tie_word_embeddings=True)
     packed = make_runner(path)
     monkeypatch.setenv("SRT_CPU_WEIGHT_PACKING", "0")
     dense = make_runner(path)
     layers = _linears(packed.model)
-    assert layers and all(m.packed_weight is not None and m.packed_weight.is_mkldnn for m in layers)
+    onednn = gemm == "onednn"
+    assert layers and all(m.packed_weight is not None and m.packed_weight.is_mkldnn == onednn for m in layers)
     assert all(m.weight.numel() == 0 for m in layers)
     assert all(m.packed_weight is None and m.weight.numel() > 0 for m in _linears(dense.model))
     # Tied head: the embedding keeps its dense rows, the head holds a packed copy of them.
     embed = packed.model.model.embed_tokens
-    assert packed.model.lm_head is embed and embed.weight.numel() > 0 and embed.packed_weight.is_mkldnn
-    # The packed bytes are counted (KV sizing subtracts them): the same total plus the head's copy.
-    head_bytes = embed.weight.numel() * embed.weight.element_size()
-    assert module_nbytes(packed.model) == module_nbytes(dense.model) + head_bytes
+    assert packed.model.lm_head is embed and embed.weight.numel() > 0 and embed.packed_weight.is_mkldnn == onednn
+    # The packed bytes are counted (KV sizing subtracts them): the same total plus the head's copy
+    # (and with panels the zero rows padding each weight to whole panels).
+    size = embed.weight.element_size()
+    extra = _padded_rows(embed.weight.shape[0], gemm) * embed.weight.shape[1] * size
+    extra += sum((_padded_rows(m.packed_out_features, gemm) - m.packed_out_features) * m.input_size * size
+                 for m in layers)
+    assert module_nbytes(packed.model) == module_nbytes(dense.model) + extra
     assert "packed_weight" not in "".join(packed.model.state_dict())
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_packed_model_matches_the_dense_one(tiny_model_factory, monkeypatch, arch):
+def test_packed_model_matches_the_dense_one(tiny_model_factory, monkeypatch, arch, gemm):
     path = tiny_model_factory(arch)
     prompts = random_prompts(500, (5, 33, 17), seed=3)
     packed = make_runner(path)
@@ -91,11 +111,11 @@ def test_packed_model_matches_the_dense_one(tiny_model_factory, monkeypatch, arc
     assert_pool_conserved(dense)
 
 
-def test_untied_head_is_packed_and_its_dense_copy_freed(llama_model):
+def test_untied_head_is_packed_and_its_dense_copy_freed(llama_model, gemm):
     runner = make_runner(llama_model)
     head = runner.model.lm_head
     assert head is not runner.model.model.embed_tokens
-    assert head.packed_weight.is_mkldnn and head.weight.numel() == 0
+    assert head.packed_weight.is_mkldnn == (gemm == "onednn") and head.weight.numel() == 0
 
 
 def test_torch_compile_keeps_dense_weights(llama_model):
@@ -129,6 +149,7 @@ def test_bf16_model_without_bf16_matmuls_runs_on_widened_weights(tiny_model_fact
     else, the same greedy tokens as the bf16 model on torch's bf16 matmuls, and the fp32 bytes
     counted in the load and in check_config's meta-device estimate alike."""
     monkeypatch.setattr(cpu_weight_packing, "cpu_has_fast_bf16", lambda: False)
+    monkeypatch.setenv("SRT_CPU_GEMM", "onednn")  # panels keep bf16 weights (tested below)
     path = tiny_model_factory("llama", tie_word_embeddings=tied)
     prompts = random_prompts(500, (5, 33, 17), seed=4)
     wide = make_runner(path, dtype="bfloat16")
@@ -154,3 +175,54 @@ def test_bf16_model_without_bf16_matmuls_runs_on_widened_weights(tiny_model_fact
     assert loaded_model_nbytes(config, device="cpu") == module_nbytes(wide.model)
     assert_pool_conserved(wide)
     assert_pool_conserved(dense)
+
+
+# ---------------------------------------------------------------------- panels (kernels/cpu/gemm.py)
+@pytest.mark.skipif(not load_gemm_ops(), reason="the C++ CPU kernels cannot build here")
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_bf16_model_on_panels_keeps_bf16_weights(tiny_model_factory, monkeypatch, tied):
+    """Panels hold bf16 weights as bf16 (the kernel widens them in registers): the same greedy
+    tokens as the dense bf16 model, no fp32 copy, and the bytes (padding and a tied head's copy)
+    counted in the load and in check_config's meta-device estimate alike."""
+    monkeypatch.setenv("SRT_CPU_GEMM", "srt")
+    path = tiny_model_factory("llama", tie_word_embeddings=tied)
+    prompts = random_prompts(500, (5, 33, 17), seed=4)
+    panels = make_runner(path, dtype="bfloat16")
+    layers = _linears(panels.model)
+    assert layers and all(m.packed_weight.dtype == torch.bfloat16 and not m.packed_weight.is_mkldnn
+                          and m.weight.numel() == 0 for m in layers)
+    toks, logits = greedy_run(panels, prompts, steps=8)
+    monkeypatch.setenv("SRT_CPU_WEIGHT_PACKING", "0")
+    dense = make_runner(path, dtype="bfloat16")
+    ref_toks, ref_logits = greedy_run(dense, prompts, steps=8)
+    torch.testing.assert_close(logits, ref_logits, rtol=0.05, atol=0.05)
+    assert sum(a == b for t, r in zip(toks, ref_toks) for a, b in zip(t, r)) >= 0.9 * sum(map(len, toks))
+    head = panels.model.lm_head
+    extra = _padded_rows(head.packed_out_features, "srt") * head.packed_weight.shape[1] * 2 if tied else 0
+    extra += sum((_padded_rows(m.packed_out_features, "srt") - m.packed_out_features) * m.packed_weight.shape[1] * 2
+                 for m in layers + ([] if tied else [head]))
+    assert module_nbytes(panels.model) == module_nbytes(dense.model) + extra
+    monkeypatch.delenv("SRT_CPU_WEIGHT_PACKING")
+    config = ModelConfig.load(str(path), "bfloat16")
+    assert loaded_model_nbytes(config, device="cpu") == module_nbytes(panels.model)
+    assert_pool_conserved(panels)
+    assert_pool_conserved(dense)
+
+
+@pytest.mark.skipif(not load_gemm_ops(), reason="the C++ CPU kernels cannot build here")
+def test_gemm_choice_follows_the_cpu_and_the_switch(monkeypatch):
+    monkeypatch.setattr(cpu_weight_packing, "cpu_has_avx512", lambda: False)
+    assert cpu_weight_packing.uses_panel_gemm("cpu", torch.float32)  # auto, AVX2-only: panels
+    assert cpu_weight_packing.uses_panel_gemm("cpu", torch.bfloat16)
+    assert not cpu_weight_packing.widens_bf16("cpu", torch.bfloat16)  # panels keep bf16 weights
+    assert not cpu_weight_packing.uses_panel_gemm("cpu", torch.float16)
+    assert not cpu_weight_packing.uses_panel_gemm("cuda:0", torch.float32)
+    monkeypatch.setattr(cpu_weight_packing, "cpu_has_avx512", lambda: True)
+    assert not cpu_weight_packing.uses_panel_gemm("cpu", torch.float32)  # auto, AVX-512: oneDNN
+    monkeypatch.setenv("SRT_CPU_GEMM", "srt")
+    assert cpu_weight_packing.uses_panel_gemm("cpu", torch.float32)
+    monkeypatch.setenv("SRT_CPU_GEMM", "onednn")
+    assert not cpu_weight_packing.uses_panel_gemm("cpu", torch.float32)
+    monkeypatch.setenv("SRT_CPU_GEMM", "mkl")
+    with pytest.raises(ValueError, match=r"\$SRT_CPU_GEMM must be one of auto, srt, onednn, got 'mkl'"):
+        cpu_weight_packing.uses_panel_gemm("cpu", torch.float32)

@@ -16,9 +16,17 @@ op stay bf16, each linear takes its input to fp32 and rounds its output back, th
 fp32-accumulating bf16 matmul gives. The weights then take fp32 bytes (counted, and
 `SRT_CPU_WIDEN_BF16=0` keeps bf16 weights on the slow path).
 
-Off on CUDA, for other dtypes, where torch has no oneDNN, under `--enable-torch-compile` (inductor
-cannot trace an opaque oneDNN tensor; the compiled graph keeps the dense weights) and with
-`SRT_CPU_WEIGHT_PACKING=0`.
+Panel packing (`SRT_CPU_GEMM`, default `auto`): on a CPU without AVX-512 (AVX2-only), oneDNN's
+matmuls at decode sizes use about half the arithmetic and read the weights at a third of the
+memory bandwidth, so there the weights are packed into column panels for our own kernel
+(kernels/cpu/gemm.py: every weight byte streamed once per call, in address order). Measured on
+the AVX2 EPYC, SmolLM2-135M's 120 layer matmuls at 16 rows: 29.6 ms against oneDNN's 43.3 ms.
+bf16 weights stay bf16 in the panels (widened in registers: half the bytes of the fp32 copy).
+`srt` forces the panels, `onednn` keeps oneDNN; CPUs with AVX-512 keep oneDNN under `auto`.
+
+Off on CUDA, for other dtypes, where torch has no oneDNN (and the panel kernels do not build),
+under `--enable-torch-compile` (inductor cannot trace an opaque oneDNN tensor; the compiled graph
+keeps the dense weights) and with `SRT_CPU_WEIGHT_PACKING=0`.
 """
 
 from __future__ import annotations
@@ -30,11 +38,13 @@ from typing import Optional
 import torch
 from torch import nn
 
+from kernels.cpu.gemm import load_gemm_ops, panel_width
 from srt.environ import envs
 
 logger = logging.getLogger(__name__)
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+GEMM_CHOICES = ("auto", "srt", "onednn")
 # oneDNN picks its blocking for this many rows; any row count runs on the packed weight.
 BATCH_SIZE_HINT = 16
 
@@ -73,25 +83,57 @@ def cpu_has_fast_bf16() -> bool:
         return True
 
 
+def cpu_gemm_choice() -> str:
+    """`SRT_CPU_GEMM`, checked."""
+    choice = (envs.CPU_GEMM.get() or "auto").lower()
+    if choice not in GEMM_CHOICES:
+        raise ValueError(f"$SRT_CPU_GEMM must be one of {', '.join(GEMM_CHOICES)}, got {choice!r}.")
+    return choice
+
+
+def cpu_has_avx512() -> bool:
+    return torch.backends.cpu.get_cpu_capability().upper().startswith("AVX512")
+
+
+def uses_panel_gemm(device: str, dtype: torch.dtype) -> bool:
+    """Whether linear weights of this dtype are packed into panels for kernels/cpu/gemm.py here:
+    `SRT_CPU_GEMM=srt`, or `auto` on a CPU without AVX-512 (where they were measured faster than
+    oneDNN), when the C++ kernels build."""
+    if not (str(device).startswith("cpu") and dtype in PACKABLE_DTYPES):
+        return False
+    choice = cpu_gemm_choice()
+    if choice == "onednn" or (choice == "auto" and cpu_has_avx512()):
+        return False
+    return load_gemm_ops()
+
+
 def widens_bf16(device: str, dtype: torch.dtype) -> bool:
-    """Whether bf16 weights are packed as fp32 here (no bf16 matmul kernels on this CPU)."""
+    """Whether bf16 weights are packed as fp32 here (no bf16 matmul kernels on this CPU, and the
+    oneDNN layout in use: panels keep bf16 weights)."""
     return (dtype == torch.bfloat16 and str(device).startswith("cpu") and envs.CPU_WIDEN_BF16.get()
-            and not cpu_has_fast_bf16() and packing_supported(device, torch.float32))
+            and not cpu_has_fast_bf16() and not uses_panel_gemm(device, dtype)
+            and packing_supported(device, torch.float32))
 
 
-def pack_weight(weight: torch.Tensor, widen: bool = False) -> torch.Tensor:
+def pack_weight(weight: torch.Tensor, widen: bool = False, panels: bool = False) -> torch.Tensor:
     """`weight` [out, in] reordered into oneDNN's blocked layout (an opaque mkldnn tensor); with
-    `widen`, as fp32."""
-    weight = weight.detach()
-    return torch.ops.mkldnn._reorder_linear_weight((weight.float() if widen else weight).contiguous(),
-                                                   BATCH_SIZE_HINT)
+    `widen`, as fp32; with `panels`, into kernels/cpu/gemm.py's column panels (same dtype)."""
+    weight = weight.detach().contiguous()
+    if panels:
+        return torch.ops.srt_cpu.convert_weight_packed(weight)
+    return torch.ops.mkldnn._reorder_linear_weight(weight.float() if widen else weight, BATCH_SIZE_HINT)
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                  out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+                  out_dtype: Optional[torch.dtype] = None, out_features: Optional[int] = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` over the packed weight; x is [..., in]. A widened (fp32) weight
-    takes x and bias to fp32; the output is in `out_dtype` (default x's dtype)."""
+    takes x and bias to fp32; the output is in `out_dtype` (default x's dtype). Panels need
+    `out_features` (the weight's rows) when that is not a whole number of panels."""
     out_dtype = out_dtype or x.dtype
+    if not packed.is_mkldnn:
+        n = out_features or packed.shape[0] * packed.shape[2]
+        out = torch.ops.srt_cpu.weight_packed_linear(x.reshape(-1, x.shape[-1]), packed, bias, n, out_dtype)
+        return out.view(*x.shape[:-1], n)
     if x.shape[0] == 0:  # oneDNN refuses an empty problem
         return x.new_empty(*x.shape[:-1], packed.shape[0], dtype=out_dtype)
     if packed.dtype != x.dtype:
@@ -101,15 +143,12 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Te
     return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
-def packed_nbytes(packed: torch.Tensor) -> int:
-    """Bytes a packed weight holds (its logical size; oneDNN's blocking pads at most a block)."""
-    return packed.numel() * packed.element_size()
-
-
 def set_packed_weight(module: nn.Module, packed: torch.Tensor, free_dense: bool) -> None:
     """Attach `packed` as the module's non-persistent `packed_weight` buffer (outside state_dict,
-    counted by `module_nbytes`); with `free_dense` the dense weight becomes an empty tensor."""
+    counted by `module_nbytes`) and its row count as `packed_out_features`; with `free_dense` the
+    dense weight becomes an empty tensor."""
     module.register_buffer("packed_weight", packed, persistent=False)
+    module.packed_out_features = module.weight.shape[0]
     if free_dense:
         shape = module.weight.shape
         module.weight = nn.Parameter(module.weight.new_empty((0, shape[1])), requires_grad=False)
@@ -118,7 +157,7 @@ def set_packed_weight(module: nn.Module, packed: torch.Tensor, free_dense: bool)
 def will_pack(device: str, dtype: torch.dtype, enable_torch_compile: bool) -> bool:
     """Whether `pack_model_weights` packs a model of this dtype on this device."""
     return (envs.CPU_WEIGHT_PACKING.get() and not enable_torch_compile
-            and (widens_bf16(device, dtype) or packing_supported(device, dtype)))
+            and (uses_panel_gemm(device, dtype) or widens_bf16(device, dtype) or packing_supported(device, dtype)))
 
 
 def _tied_head(model: nn.Module) -> Optional[nn.Module]:
@@ -140,16 +179,21 @@ def _packable(model: nn.Module, dtype: torch.dtype) -> list:
 
 def packing_extra_nbytes(model: nn.Module, device: str, dtype: torch.dtype, enable_torch_compile: bool) -> int:
     """Bytes packing adds to the model (a meta-device one will do): the packed copy of an LM head
-    tied to the input embedding, and with widened bf16 the fp32 half of every packed weight. Every
-    other packed weight replaces its dense copy."""
+    tied to the input embedding, with widened bf16 the fp32 half of every packed weight, and with
+    panels the zero rows that pad each weight to whole panels. Every other packed weight replaces
+    its dense copy."""
     if not will_pack(device, dtype, enable_torch_compile):
         return 0
+    panels = uses_panel_gemm(device, dtype)
     packed_size = (torch.float32 if widens_bf16(device, dtype) else dtype).itemsize
     extra = 0
     head = _tied_head(model)
     for module in _packable(model, dtype):
-        numel, size = module.weight.numel(), module.weight.element_size()
-        extra += numel * packed_size if module is head else numel * (packed_size - size)
+        (rows, cols), size = module.weight.shape, module.weight.element_size()
+        if panels:
+            rows = -(-rows // panel_width()) * panel_width()
+        packed = rows * cols * packed_size
+        extra += packed if module is head else packed - module.weight.numel() * size
     return extra
 
 
@@ -160,11 +204,14 @@ def pack_model_weights(model: nn.Module, device: str, dtype: torch.dtype, enable
     dense rows (it is a lookup table) and the head gets a packed copy."""
     if not will_pack(device, dtype, enable_torch_compile):
         return 0
-    widen, head = widens_bf16(device, dtype), _tied_head(model)
+    widen, panels, head = widens_bf16(device, dtype), uses_panel_gemm(device, dtype), _tied_head(model)
     modules = _packable(model, dtype)
     for module in modules:
-        set_packed_weight(module, pack_weight(module.weight, widen), free_dense=module is not head)
-    if widen:
+        set_packed_weight(module, pack_weight(module.weight, widen, panels), free_dense=module is not head)
+    if panels:
+        logger.info("Packed %d CPU linear weights into %d-column panels for the C++ panel GEMM (kernels/cpu/gemm.py; "
+                    "SRT_CPU_GEMM=onednn keeps oneDNN's layout).", len(modules), panel_width())
+    elif widen:
         logger.info("Packed %d CPU linear weights into oneDNN's blocked layout, widened to fp32: this CPU has no "
                     "bf16 matrix instructions (AVX512-BF16 / AMX), so bf16 matmuls run in fp32 and the weights "
                     "take fp32 bytes (SRT_CPU_WIDEN_BF16=0 keeps them bf16 on a 5-15x slower path).", len(modules))

@@ -46,7 +46,7 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
-        # oneDNN-packed weight on CPU, set after loading (srt/layers/cpu_weight_packing.py).
+        # Packed weight on CPU (oneDNN's layout or panels), set after loading (srt/layers/cpu_weight_packing.py).
         self.register_buffer("packed_weight", None, persistent=False)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
@@ -54,7 +54,7 @@ class LinearBase(nn.Module):
 
     def matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if self.packed_weight is not None:
-            return packed_linear(x, self.packed_weight, bias)
+            return packed_linear(x, self.packed_weight, bias, out_features=self.packed_out_features)
         return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

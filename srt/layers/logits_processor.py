@@ -34,25 +34,24 @@ class LogitsProcessor(nn.Module):
         super().__init__()
         self.vocab_size = vocab_size
 
-    def _logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def _logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         """fp32 logits over the whole vocabulary: this rank's slice, gathered over the TP ranks
         (rank order = vocabulary order) and cut to the real vocabulary (no padding rows)."""
-        if weight.is_mkldnn:  # packed on CPU (srt/layers/cpu_weight_packing.py)
-            local = packed_linear(hidden, weight, out_dtype=torch.float32)
+        packed = getattr(lm_head, "packed_weight", None)
+        if packed is not None:  # packed on CPU (srt/layers/cpu_weight_packing.py)
+            local = packed_linear(hidden, packed, out_dtype=torch.float32, out_features=lm_head.packed_out_features)
         else:
-            local = hidden @ weight.T
+            local = hidden @ lm_head.weight.T
         logits = tensor_model_parallel_all_gather(local.float(), dim=-1)
         return logits[:, : self.vocab_size] if logits.shape[-1] != self.vocab_size else logits
 
     def forward(self, hidden_states: torch.Tensor, lm_head: nn.Module, fb: "ForwardBatch") -> LogitsProcessorOutput:
-        weight = getattr(lm_head, "packed_weight", None)
-        weight = lm_head.weight if weight is None else weight
         if fb.forward_mode.is_decode():
-            return LogitsProcessorOutput(self._logits(hidden_states, weight))
+            return LogitsProcessorOutput(self._logits(hidden_states, lm_head))
         ext = fb.extend_seq_lens_cpu
         device = hidden_states.device
         ends = list(itertools.accumulate(ext))
-        last = self._logits(hidden_states[host_to_device([e - 1 for e in ends], torch.int64, device)], weight)
+        last = self._logits(hidden_states[host_to_device([e - 1 for e in ends], torch.int64, device)], lm_head)
         starts = fb.extend_logprob_start_lens_cpu
         if starts is None:
             return LogitsProcessorOutput(last)
@@ -62,5 +61,5 @@ class LogitsProcessor(nn.Module):
             idx.extend(range(offset + s, offset + n))
             lens.append(n - s)
             offset += n
-        full = self._logits(hidden_states[host_to_device(idx, torch.int64, device)], weight)
+        full = self._logits(hidden_states[host_to_device(idx, torch.int64, device)], lm_head)
         return LogitsProcessorOutput(last, full, lens)

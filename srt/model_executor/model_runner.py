@@ -12,7 +12,7 @@ from kernels.attention import create_attention_backend, resolve_attention_backen
 from mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from srt.configs.model_config import ModelConfig
-from srt.layers.cpu_weight_packing import pack_model_weights, widens_bf16
+from srt.layers.cpu_weight_packing import pack_model_weights, uses_panel_gemm, widens_bf16
 from srt.layers.logits_processor import LogitsProcessorOutput
 from srt.layers.sampler import SampleOutput, Sampler
 from srt.distributed.parallel_state import all_reduce_min_int, broadcast_tensor, init_tp_group
@@ -73,7 +73,8 @@ class ModelRunner:
         pre = read_free_memory(self.device) if max_total_tokens is None else None
         self.model = get_model(self.model_config, server_args.load_format, self.device, server_args.random_seed)
         packed = pack_model_weights(self.model, self.device, self.dtype, server_args.enable_torch_compile)
-        warn_slow_cpu_bf16(self.dtype, self.device, widened=packed > 0 and widens_bf16(self.device, self.dtype))
+        fast_bf16_linears = widens_bf16(self.device, self.dtype) or uses_panel_gemm(self.device, self.dtype)
+        warn_slow_cpu_bf16(self.dtype, self.device, widened=packed > 0 and fast_bf16_linears)
         self.kv_budget = self._agree_over_ranks(self._size_kv_pool(pre, max_total_tokens, max_running_requests))
         self.kv_budget.log()
         self.max_req_len = self.kv_budget.max_req_len

@@ -4,6 +4,9 @@
 #pragma once
 
 #include <ATen/Parallel.h>
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
@@ -62,7 +65,17 @@ inline vfloat vload(const c10::BFloat16* p) {
   return out;
 }
 
-inline vfloat vbroadcast(float x) { return vfloat{} + x; }
+// Every lane = x, as one broadcast instruction where there are intrinsics for it (the generic
+// `vfloat{} + x` also adds +0.0 first, an extra dependent instruction in a micro-kernel).
+inline vfloat vbroadcast(float x) {
+#if defined(__AVX512F__)
+  return (vfloat)_mm512_set1_ps(x);
+#elif defined(__AVX__)
+  return (vfloat)_mm256_set1_ps(x);
+#else
+  return vfloat{} + x;
+#endif
+}
 
 // exp on eight lanes, branch-free: x = n*ln2 + r with |r| <= ln2/2 (n rounded by adding and
 // subtracting 1.5 * 2^23; ln2 split in a short high part, so n*hi is exact, and a low part),

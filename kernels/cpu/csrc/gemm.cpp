@@ -1,0 +1,186 @@
+// Linear layers over weights packed into column panels, for CPUs where oneDNN's small-row
+// (decode) matmuls leave half the arithmetic unused (AVX2-only CPUs; see srt/layers/cpu_weight_packing.py).
+//
+// Layout: a weight [N, K] becomes panels [P = ceil(N / kPanel), K, kPanel]: panel p holds output
+// columns [p * kPanel, (p + 1) * kPanel) with one contiguous row of kPanel weights per k (zeros past
+// N). A decode step then streams every weight byte once, in address order, which the hardware
+// prefetcher and the software prefetch below keep ahead of the arithmetic.
+//
+// Micro-kernel: kRows rows of x times one panel, 2 * kRows vector accumulators, one FMA per weight
+// vector per row (the weights are loaded once per k and reused by every row of the tile). K runs
+// in chunks of kChunk so that all row tiles of a chunk reuse its weights from L1 before the next
+// chunk is read, which spreads the memory traffic evenly over the arithmetic. fp32 or bf16
+// weights (bf16 widened in registers: half the bytes read), fp32 accumulation, one rounding of
+// the output to its dtype.
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+
+#include "cpu_math.h"
+
+namespace {
+
+using srt_cpu::kLanes;
+using srt_cpu::vbroadcast;
+using srt_cpu::vfloat;
+using srt_cpu::vload;
+using srt_cpu::vstore;
+
+constexpr int64_t kPanel = 2 * kLanes;  // output columns per panel: two vectors
+constexpr int kRows = 6;                // rows per micro-tile: 12 accumulators + 2 weight vectors + 1 broadcast
+constexpr int64_t kChunk = 64;          // k rows per chunk (64 x kPanel fp32 = 4 KiB on AVX2)
+// Rows of x per task, a multiple of kRows: a prefill's row tiles share each chunk read (with 48
+// rows, prefill-sized matmuls ran at 60-70% of oneDNN's speed; with 192, 95-100%).
+constexpr int64_t kRowBlock = 192;
+constexpr int64_t kPrefetchRows = kChunk;  // the first row tile of a chunk prefetches the next chunk
+
+// c[MB, kPanel] (+)= x[MB, k0:k1] @ panel[k0:k1, :]; c holds the partial sums between chunks.
+template <typename W, int MB>
+inline void tile(const float* x, int64_t ldx, const W* panel, int64_t k0, int64_t k1, float* c, bool first,
+                 bool prefetch) {
+  vfloat lo[MB], hi[MB];
+#pragma GCC unroll 8
+  for (int i = 0; i < MB; ++i) {
+    lo[i] = first ? vfloat{} : vload(c + i * kPanel);
+    hi[i] = first ? vfloat{} : vload(c + i * kPanel + kLanes);
+  }
+  for (int64_t k = k0; k < k1; ++k) {
+    const W* w = panel + k * kPanel;
+    if (prefetch) __builtin_prefetch(w + kPrefetchRows * kPanel, 0, 3);
+    const vfloat b0 = vload(w), b1 = vload(w + kLanes);
+#pragma GCC unroll 8
+    for (int i = 0; i < MB; ++i) {
+      const vfloat a = vbroadcast(x[i * ldx + k]);
+      lo[i] += a * b0;
+      hi[i] += a * b1;
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MB; ++i) {
+    vstore(c + i * kPanel, lo[i]);
+    vstore(c + i * kPanel + kLanes, hi[i]);
+  }
+}
+
+template <typename W>
+inline void tile_rows(int rows, const float* x, int64_t ldx, const W* panel, int64_t k0, int64_t k1, float* c,
+                      bool first, bool prefetch) {
+  switch (rows) {
+    case 6: return tile<W, 6>(x, ldx, panel, k0, k1, c, first, prefetch);
+    case 5: return tile<W, 5>(x, ldx, panel, k0, k1, c, first, prefetch);
+    case 4: return tile<W, 4>(x, ldx, panel, k0, k1, c, first, prefetch);
+    case 3: return tile<W, 3>(x, ldx, panel, k0, k1, c, first, prefetch);
+    case 2: return tile<W, 2>(x, ldx, panel, k0, k1, c, first, prefetch);
+    default: return tile<W, 1>(x, ldx, panel, k0, k1, c, first, prefetch);
+  }
+}
+
+// y[rows, panel's columns] = x[rows, :] @ panel (+ bias), rounded once to O.
+template <typename W, typename O>
+void panel_block(const float* x, int64_t rows, int64_t K, const W* panel, const float* bias, O* y, int64_t ldy,
+                 int64_t cols) {
+  float c[kRowBlock * kPanel];
+  for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
+    const int64_t k1 = std::min(K, k0 + kChunk);
+    for (int64_t m = 0; m < rows; m += kRows) {
+      // The first row tile reads the chunk from memory (prefetching ahead); the others find it in L1.
+      tile_rows<W>(static_cast<int>(std::min<int64_t>(kRows, rows - m)), x + m * K, K, panel, k0, k1,
+                   c + m * kPanel, k0 == 0, m == 0);
+    }
+  }
+  for (int64_t m = 0; m < rows; ++m) {
+    float* row = c + m * kPanel;
+    if (bias != nullptr) {
+      for (int64_t j = 0; j < cols; ++j) row[j] += bias[j];
+    }
+    O* out = y + m * ldy;
+    if (cols == kPanel) {
+      vstore(out, vload(row));
+      vstore(out + kLanes, vload(row + kLanes));
+    } else {
+      for (int64_t j = 0; j < cols; ++j) out[j] = srt_cpu::from_float<O>(row[j]);
+    }
+  }
+}
+
+template <typename W, typename O>
+void run(const at::Tensor& x, const at::Tensor& packed, const float* bias, at::Tensor& y, int64_t N) {
+  const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
+  // Row blocks of equal size (at most kRowBlock, a multiple of kRows where possible).
+  const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
+  const int64_t per_block = std::min(kRowBlock, ((M + blocks - 1) / blocks + kRows - 1) / kRows * kRows);
+  const float* xa = x.data_ptr<float>();
+  const W* wa = packed.data_ptr<W>();
+  O* ya = y.data_ptr<O>();
+  // Task i: row block i / P, panel i % P; a thread's contiguous range walks the panels in order.
+  at::parallel_for(0, blocks * P, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t m0 = (i / P) * per_block, p = i % P;
+      if (m0 >= M) continue;
+      const int64_t rows = std::min(per_block, M - m0), col0 = p * kPanel;
+      panel_block<W, O>(xa + m0 * K, rows, K, wa + p * K * kPanel, bias == nullptr ? nullptr : bias + col0,
+                        ya + m0 * N + col0, N, std::min(kPanel, N - col0));
+    }
+  });
+}
+
+at::Tensor convert_weight_packed(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2, "convert_weight_packed: weight must be [N, K], got ", weight.sizes());
+  TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16,
+              "convert_weight_packed: fp32 or bf16 weights, got ", weight.scalar_type());
+  const int64_t N = weight.size(0), K = weight.size(1), P = (N + kPanel - 1) / kPanel;
+  // [N, K] -> zero-pad to [P * kPanel, K] -> [P, kPanel, K] -> [P, K, kPanel].
+  at::Tensor padded = at::constant_pad_nd(weight, {0, 0, 0, P * kPanel - N});
+  return padded.view({P, kPanel, K}).transpose(1, 2).contiguous();
+}
+
+at::Tensor weight_packed_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                                int64_t out_features, std::optional<at::ScalarType> out_dtype) {
+  TORCH_CHECK(x.dim() == 2, "weight_packed_linear: x must be [M, K], got ", x.sizes());
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous(),
+              "weight_packed_linear: packed must be convert_weight_packed's [P, K, ", kPanel, "], got ",
+              packed.sizes());
+  TORCH_CHECK(packed.size(1) == x.size(1), "weight_packed_linear: x has ", x.size(1), " features, the weight ",
+              packed.size(1));
+  TORCH_CHECK(out_features > (packed.size(0) - 1) * kPanel && out_features <= packed.size(0) * kPanel,
+              "weight_packed_linear: out_features ", out_features, " does not fit ", packed.size(0), " panels");
+  const at::ScalarType out_type = out_dtype.value_or(x.scalar_type());
+  TORCH_CHECK(out_type == at::kFloat || out_type == at::kBFloat16, "weight_packed_linear: fp32 or bf16 output");
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor bf;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == out_features, "weight_packed_linear: bias has ", bias->numel(), " values");
+    bf = bias->to(at::kFloat).contiguous();
+  }
+  const float* b = bias.has_value() ? bf.data_ptr<float>() : nullptr;
+  at::Tensor y = at::empty({x.size(0), out_features}, x.options().dtype(out_type));
+  if (x.size(0) == 0) return y;
+  const bool w16 = packed.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(w16 || packed.scalar_type() == at::kFloat, "weight_packed_linear: fp32 or bf16 weights");
+  if (w16 && out_type == at::kBFloat16) {
+    run<c10::BFloat16, c10::BFloat16>(xf, packed, b, y, out_features);
+  } else if (w16) {
+    run<c10::BFloat16, float>(xf, packed, b, y, out_features);
+  } else if (out_type == at::kBFloat16) {
+    run<float, c10::BFloat16>(xf, packed, b, y, out_features);
+  } else {
+    run<float, float>(xf, packed, b, y, out_features);
+  }
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(srt_cpu, m) {
+  m.def("convert_weight_packed(Tensor weight) -> Tensor");
+  m.def("weight_packed_linear(Tensor x, Tensor packed, Tensor? bias, int out_features, ScalarType? out_dtype) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(srt_cpu, CPU, m) {
+  m.impl("convert_weight_packed", &convert_weight_packed);
+  m.impl("weight_packed_linear", &weight_packed_linear);
+}

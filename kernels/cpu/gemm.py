@@ -1,0 +1,42 @@
+"""Linear layers over panel-packed weights (C++ in csrc/gemm.cpp), for CPUs where oneDNN's
+decode-sized matmuls are slow; srt/layers/cpu_weight_packing.py decides when they are used.
+
+    torch.ops.srt_cpu.convert_weight_packed(weight [N, K]) -> panels [ceil(N / W), K, W]
+    torch.ops.srt_cpu.weight_packed_linear(x [M, K], panels, bias | None, N, out_dtype | None) -> [M, N]
+
+W (`panel_width()`) is two vectors of floats: 16 with AVX2, 32 with AVX-512. fp32 or bf16 weights,
+x and output (bf16 weights are widened in registers), fp32 accumulation, one rounding of the output.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from kernels.cpu import build
+
+
+@functools.lru_cache(maxsize=None)
+def load_gemm_ops() -> bool:
+    """Whether the panel GEMM ops are usable here (builds the library on first use)."""
+    if not build.load_cpu_kernels():
+        return False
+    torch.library.register_fake("srt_cpu::convert_weight_packed", _convert_weight_packed_fake)
+    torch.library.register_fake("srt_cpu::weight_packed_linear", _weight_packed_linear_fake)
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def panel_width() -> int:
+    """Output columns per panel in this build (a weight's rows are padded to a multiple of it)."""
+    return int(torch.ops.srt_cpu.convert_weight_packed(torch.zeros(1, 1)).shape[2])
+
+
+def _convert_weight_packed_fake(weight):
+    w = panel_width()
+    return weight.new_empty((weight.shape[0] + w - 1) // w, weight.shape[1], w)
+
+
+def _weight_packed_linear_fake(x, packed, bias, out_features, out_dtype):
+    return x.new_empty(x.shape[0], out_features, dtype=out_dtype or x.dtype)

@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <type_traits>
 
 #include "cpu_math.h"
 
@@ -33,23 +34,23 @@ using srt_cpu::vstore;
 constexpr int64_t kPanel = 2 * kLanes;  // output columns per panel: two vectors
 constexpr int kRows = 6;                // rows per micro-tile: 12 accumulators + 2 weight vectors + 1 broadcast
 constexpr int64_t kChunk = 64;          // k rows per chunk (64 x kPanel fp32 = 4 KiB on AVX2)
-// Rows of x per task, a multiple of kRows: a prefill's row tiles share each chunk read (with 48
-// rows, prefill-sized matmuls ran at 60-70% of oneDNN's speed; with 192, 95-100%).
-constexpr int64_t kRowBlock = 192;
+// Rows of x per task, a multiple of kRows: a prefill's row tiles share each chunk read. With 48
+// rows, prefill-sized matmuls ran at 60-70% of oneDNN's speed; with 96 (a chunk of x, 24 KiB,
+// stays in L1) a SmolLM2 prefill runs at about 95% of it (192: 93%).
+constexpr int64_t kRowBlock = 96;
 constexpr int64_t kPrefetchRows = kChunk;  // the first row tile of a chunk prefetches the next chunk
 
-// c[MB, kPanel] (+)= x[MB, k0:k1] @ panel[k0:k1, :]; c holds the partial sums between chunks.
+// c[MB, kPanel] (+)= x[MB, :n] @ w[:n, :] (w: n rows of kPanel); c holds the partial sums between chunks.
 template <typename W, int MB>
-inline void tile(const float* x, int64_t ldx, const W* panel, int64_t k0, int64_t k1, float* c, bool first,
-                 bool prefetch) {
+inline void tile(const float* x, int64_t ldx, const W* w_rows, int64_t n, float* c, bool first, bool prefetch) {
   vfloat lo[MB], hi[MB];
 #pragma GCC unroll 8
   for (int i = 0; i < MB; ++i) {
     lo[i] = first ? vfloat{} : vload(c + i * kPanel);
     hi[i] = first ? vfloat{} : vload(c + i * kPanel + kLanes);
   }
-  for (int64_t k = k0; k < k1; ++k) {
-    const W* w = panel + k * kPanel;
+  for (int64_t k = 0; k < n; ++k) {
+    const W* w = w_rows + k * kPanel;
     if (prefetch) __builtin_prefetch(w + kPrefetchRows * kPanel, 0, 3);
     const vfloat b0 = vload(w), b1 = vload(w + kLanes);
 #pragma GCC unroll 8
@@ -67,16 +68,37 @@ inline void tile(const float* x, int64_t ldx, const W* panel, int64_t k0, int64_
 }
 
 template <typename W>
-inline void tile_rows(int rows, const float* x, int64_t ldx, const W* panel, int64_t k0, int64_t k1, float* c,
-                      bool first, bool prefetch) {
+inline void tile_rows(int rows, const float* x, int64_t ldx, const W* w_rows, int64_t n, float* c, bool first,
+                      bool prefetch) {
   switch (rows) {
-    case 6: return tile<W, 6>(x, ldx, panel, k0, k1, c, first, prefetch);
-    case 5: return tile<W, 5>(x, ldx, panel, k0, k1, c, first, prefetch);
-    case 4: return tile<W, 4>(x, ldx, panel, k0, k1, c, first, prefetch);
-    case 3: return tile<W, 3>(x, ldx, panel, k0, k1, c, first, prefetch);
-    case 2: return tile<W, 2>(x, ldx, panel, k0, k1, c, first, prefetch);
-    default: return tile<W, 1>(x, ldx, panel, k0, k1, c, first, prefetch);
+    case 6: return tile<W, 6>(x, ldx, w_rows, n, c, first, prefetch);
+    case 5: return tile<W, 5>(x, ldx, w_rows, n, c, first, prefetch);
+    case 4: return tile<W, 4>(x, ldx, w_rows, n, c, first, prefetch);
+    case 3: return tile<W, 3>(x, ldx, w_rows, n, c, first, prefetch);
+    case 2: return tile<W, 2>(x, ldx, w_rows, n, c, first, prefetch);
+    default: return tile<W, 1>(x, ldx, w_rows, n, c, first, prefetch);
   }
+}
+
+// The row tiles of one chunk: each reads the chunk's weights, the first from memory (prefetching
+// ahead), the others from L1.
+template <typename W>
+inline void chunk_tiles(const float* x, int64_t rows, int64_t K, const W* w_rows, int64_t n, float* c, bool first) {
+  for (int64_t m = 0; m < rows; m += kRows) {
+    tile_rows<W>(static_cast<int>(std::min<int64_t>(kRows, rows - m)), x + m * K, K, w_rows, n, c + m * kPanel, first,
+                 m == 0);
+  }
+}
+
+// bf16 weights: a decode's one or two row tiles widen them in registers (half the bytes read);
+// more tiles (a prefill) share one widened fp32 copy of the chunk instead of widening it per tile.
+inline void chunk_tiles_bf16(const float* x, int64_t rows, int64_t K, const c10::BFloat16* w_rows, int64_t n, float* c,
+                             bool first) {
+  if (rows <= 2 * kRows) return chunk_tiles(x, rows, K, w_rows, n, c, first);
+  float wide[kChunk * kPanel];
+  __builtin_prefetch(w_rows + kPrefetchRows * kPanel, 0, 3);
+  for (int64_t i = 0; i < n * kPanel; i += kLanes) vstore(wide + i, vload(w_rows + i));
+  chunk_tiles<float>(x, rows, K, wide, n, c, first);
 }
 
 // y[rows, panel's columns] = x[rows, :] @ panel (+ bias), rounded once to O.
@@ -85,11 +107,11 @@ void panel_block(const float* x, int64_t rows, int64_t K, const W* panel, const 
                  int64_t cols) {
   float c[kRowBlock * kPanel];
   for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
-    const int64_t k1 = std::min(K, k0 + kChunk);
-    for (int64_t m = 0; m < rows; m += kRows) {
-      // The first row tile reads the chunk from memory (prefetching ahead); the others find it in L1.
-      tile_rows<W>(static_cast<int>(std::min<int64_t>(kRows, rows - m)), x + m * K, K, panel, k0, k1,
-                   c + m * kPanel, k0 == 0, m == 0);
+    const int64_t n = std::min(kChunk, K - k0);
+    if constexpr (std::is_same_v<W, c10::BFloat16>) {
+      chunk_tiles_bf16(x + k0, rows, K, panel + k0 * kPanel, n, c, k0 == 0);
+    } else {
+      chunk_tiles<W>(x + k0, rows, K, panel + k0 * kPanel, n, c, k0 == 0);
     }
   }
   for (int64_t m = 0; m < rows; ++m) {

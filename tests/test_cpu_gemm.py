@@ -86,3 +86,44 @@ def test_bad_shapes_are_refused_with_the_sizes():
         ops.weight_packed_linear(torch.randn(2, 16), panels, torch.zeros(3), 32, None)
     with pytest.raises(RuntimeError, match="fp32 or bf16 weights"):
         ops.convert_weight_packed(torch.randn(4, 4, dtype=torch.float64))
+
+
+def test_bench_cpu_gemm_prints_both_tables(llama_model):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_cpu_gemm.py"
+    out = subprocess.run([sys.executable, str(script), "--model-path", str(llama_model), "--rows", "1", "7",
+                          "--reps", "1", "--rounds", "1", "--steps", "2", "--batch", "2", "--input-len", "8"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| ")]
+    assert [r.split(" | ")[0] for r in rows if r[2].isdigit()] == ["| 1", "| 7"]  # one op row per row count
+    layouts = [r.split(" | ")[1] for r in rows if r.startswith(("| float32", "| bfloat16"))]
+    assert layouts == ["onednn", "srt", "onednn", "srt"]
+
+
+@pytest.mark.parametrize("w_dtype", [F32, BF16], ids=["w_fp32", "w_bf16"])
+@pytest.mark.parametrize("slab", [None, 1], ids=["one_slab", "slabs"])
+def test_prefill_sized_inputs_run_on_a_dense_copy_with_the_same_result(w_dtype, slab, monkeypatch):
+    """From PANEL_DENSE_ROWS rows the panels are laid back out as dense fp32 slabs for BLAS."""
+    from srt.layers import cpu_weight_packing
+
+    if slab is not None:
+        monkeypatch.setattr(cpu_weight_packing, "PANEL_DENSE_SLAB", 130 * panel_width())  # one panel a slab
+    g = torch.Generator().manual_seed(11)
+    n, k, rows = 3 * panel_width() + 5, 130, cpu_weight_packing.PANEL_DENSE_ROWS
+    w = (torch.randn(n, k, generator=g) * 0.1).to(w_dtype)
+    b = torch.randn(n, generator=g)
+    x = torch.randn(rows, k, generator=g)
+    panels = pack_weight(w, panels=True)
+    got = packed_linear(x, panels, b, out_features=n)
+    assert got.shape == (rows, n) and got.dtype == F32
+    torch.testing.assert_close(got.double(), _ref(x, w, b), rtol=1e-5, atol=1e-5)
+    kernel = ops.weight_packed_linear(x, panels, b, n, None)
+    torch.testing.assert_close(got, kernel, rtol=1e-5, atol=1e-5)
+    x16 = x.bfloat16()
+    got16 = packed_linear(x16, panels, b.bfloat16(), out_features=n)
+    assert got16.dtype == BF16
+    torch.testing.assert_close(got16.float(), _ref(x16, w, b.bfloat16()).float(), rtol=1e-2, atol=1e-2)

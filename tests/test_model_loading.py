@@ -150,7 +150,7 @@ def test_bf16_on_a_cpu_without_bf16_matmuls_is_warned(monkeypatch, caplog):
         assert loader.warn_slow_cpu_bf16(torch.bfloat16, "cpu") is True
         assert loader.warn_slow_cpu_bf16(torch.float32, "cpu") is False
         assert loader.warn_slow_cpu_bf16(torch.bfloat16, "cuda:0") is False
-        assert loader.warn_slow_cpu_bf16(torch.bfloat16, "cpu", widened=True) is False  # fp32 matmuls
+        assert loader.warn_slow_cpu_bf16(torch.bfloat16, "cpu", fast_weights=True) is False  # panels or widened
     assert "Use --dtype float32" in caplog.text and caplog.text.count("bfloat16 on a CPU") == 1
     assert "SRT_CPU_WIDEN_BF16=0" in caplog.text  # the switch that left the weights unwidened
     monkeypatch.setattr(loader, "cpu_has_fast_bf16", lambda: True)

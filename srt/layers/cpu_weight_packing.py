@@ -45,6 +45,12 @@ logger = logging.getLogger(__name__)
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 GEMM_CHOICES = ("auto", "srt", "onednn")
+# Panels, prefill-sized inputs: the panel kernel re-reads the weights for every 96-row block and ran
+# large matmuls at 75-95% of oneDNN's speed, so from this many rows the weight is laid back out as
+# dense fp32 [in, out] for the call (a copy of its bytes, ~2% of such a matmul) and BLAS runs it.
+PANEL_DENSE_ROWS = 512
+# ... in slabs of at most this many fp32 values, so the copy stays small for any model.
+PANEL_DENSE_SLAB = 1 << 24
 # oneDNN picks its blocking for this many rows; any row count runs on the packed weight.
 BATCH_SIZE_HINT = 16
 
@@ -132,7 +138,11 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Te
     out_dtype = out_dtype or x.dtype
     if not packed.is_mkldnn:
         n = out_features or packed.shape[0] * packed.shape[2]
-        out = torch.ops.srt_cpu.weight_packed_linear(x.reshape(-1, x.shape[-1]), packed, bias, n, out_dtype)
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.shape[0] >= PANEL_DENSE_ROWS:
+            out = _panels_dense_linear(x2, packed, bias, n, out_dtype)
+        else:
+            out = torch.ops.srt_cpu.weight_packed_linear(x2, packed, bias, n, out_dtype)
         return out.view(*x.shape[:-1], n)
     if x.shape[0] == 0:  # oneDNN refuses an empty problem
         return x.new_empty(*x.shape[:-1], packed.shape[0], dtype=out_dtype)
@@ -140,6 +150,27 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Te
         x = x.to(packed.dtype)
         bias = None if bias is None else bias.to(packed.dtype)
     out = torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+    return out if out.dtype == out_dtype else out.to(out_dtype)
+
+
+def _panels_dense_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], n: int,
+                         out_dtype: torch.dtype) -> torch.Tensor:
+    """x [M, in] @ panels as BLAS matmuls over dense fp32 copies of column slabs of the weight."""
+    p, k, w = packed.shape
+    xf = x.float()
+    slab = max(1, PANEL_DENSE_SLAB // (k * w))  # panels per slab
+    outs = []
+    for start in range(0, p, slab):
+        part = packed[start:start + slab]
+        dense = torch.empty(k, part.shape[0] * w, dtype=torch.float32)
+        dense.view(k, part.shape[0], w).copy_(part.permute(1, 0, 2))
+        cols = min(n, (start + part.shape[0]) * w) - start * w
+        dense = dense[:, :cols]
+        if bias is None:
+            outs.append(torch.mm(xf, dense))
+        else:
+            outs.append(torch.addmm(bias[start * w:start * w + cols].float(), xf, dense))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     return out if out.dtype == out_dtype else out.to(out_dtype)
 
 

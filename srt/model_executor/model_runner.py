@@ -74,7 +74,7 @@ class ModelRunner:
         self.model = get_model(self.model_config, server_args.load_format, self.device, server_args.random_seed)
         packed = pack_model_weights(self.model, self.device, self.dtype, server_args.enable_torch_compile)
         fast_bf16_linears = widens_bf16(self.device, self.dtype) or uses_panel_gemm(self.device, self.dtype)
-        warn_slow_cpu_bf16(self.dtype, self.device, widened=packed > 0 and fast_bf16_linears)
+        warn_slow_cpu_bf16(self.dtype, self.device, fast_weights=packed > 0 and fast_bf16_linears)
         self.kv_budget = self._agree_over_ranks(self._size_kv_pool(pre, max_total_tokens, max_running_requests))
         self.kv_budget.log()
         self.max_req_len = self.kv_budget.max_req_len

@@ -60,12 +60,13 @@ def get_model(config: ModelConfig, load_format: str = "auto", device: str = "cpu
     return model
 
 
-def warn_slow_cpu_bf16(dtype: torch.dtype, device: str, widened: bool = False) -> bool:
+def warn_slow_cpu_bf16(dtype: torch.dtype, device: str, fast_weights: bool = False) -> bool:
     """Warn when bf16 linears will run on torch's slow path: a CPU without bf16 matrix instructions
-    whose weights were not widened to fp32 (srt/layers/cpu_weight_packing.py)."""
-    if dtype != torch.bfloat16 or not str(device).startswith("cpu") or widened or cpu_has_fast_bf16():
+    whose weights were neither panel-packed nor widened to fp32 (srt/layers/cpu_weight_packing.py)."""
+    if dtype != torch.bfloat16 or not str(device).startswith("cpu") or fast_weights or cpu_has_fast_bf16():
         return False
-    logger.warning("bfloat16 on a CPU without bf16 matrix instructions (no AVX512-BF16 / AMX) and without widened "
-                   "weights (SRT_CPU_WIDEN_BF16=0, SRT_CPU_WEIGHT_PACKING=0 or --enable-torch-compile): matmuls "
+    logger.warning("bfloat16 on a CPU without bf16 matrix instructions (no AVX512-BF16 / AMX) and without panel-packed "
+                   "or widened weights (SRT_CPU_GEMM=onednn with SRT_CPU_WIDEN_BF16=0, SRT_CPU_WEIGHT_PACKING=0 or "
+                   "--enable-torch-compile): matmuls "
                    "take a slow path, 5-15x slower than float32 here. Use --dtype float32 for speed.")
     return True

@@ -46,9 +46,10 @@ logger = logging.getLogger(__name__)
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 GEMM_CHOICES = ("auto", "srt", "onednn")
 # Panels, prefill-sized inputs: the panel kernel re-reads the weights for every 96-row block and ran
-# large matmuls at 75-95% of oneDNN's speed, so from this many rows the weight is laid back out as
-# dense fp32 [in, out] for the call (a copy of its bytes, ~2% of such a matmul) and BLAS runs it.
-PANEL_DENSE_ROWS = 512
+# matmuls of a few hundred rows and more at 75-95% of oneDNN's speed, so from this many rows the
+# weight is laid back out as dense fp32 [in, out] for the call (a copy of its bytes, a few percent
+# of such a matmul) and BLAS runs it.
+PANEL_DENSE_ROWS = 128
 # ... in slabs of at most this many fp32 values, so the copy stays small for any model.
 PANEL_DENSE_SLAB = 1 << 24
 # oneDNN picks its blocking for this many rows; any row count runs on the packed weight.

@@ -388,21 +388,33 @@ def test_http_ten_megabyte_chat_message_is_refused_in_seconds(server):
 
 
 def test_http_rid_in_flight_is_refused_naming_it(server):
-    # "dup-1" must still be running when its twin arrives, however fast decoding has become (a
-    # lone 1,500-token request once finished first): up to the context, with eight companions
-    # in the batch making every step dearer; all are aborted at the end.
+    # "dup-N" must still be running when its twin arrives, however fast decoding has become (a
+    # lone 1,500-token request once finished first, and later a 2,000-token one with eight
+    # companions): each try runs up to the context with more companions in the batch, and a try
+    # whose twin was accepted must show that the first had already finished.
     long = {"max_new_tokens": 2000, "temperature": 0, "ignore_eos": True}
-    rids = [f"pad-{i}" for i in range(8)] + ["dup-1"]
-    streams = [requests.post(server.url + "/generate", json={"text": "A story", "rid": rid, "stream": True,
-                                                             "sampling_params": long}, stream=True, timeout=60)
-               for rid in rids]
-    try:
-        first = streams[-1]
-        assert first.status_code == 200 and next(first.iter_lines()).startswith(b"data: ")  # running
-        again = server.post("/generate", json={"text": "hi", "rid": "dup-1", "sampling_params": {"max_new_tokens": 1}})
-        assert again.status_code == 400 and "'dup-1'" in again.json()["error"]["message"]
-        for rid in rids:
-            assert server.post("/abort_request", json={"rid": rid}).status_code == 200
-    finally:
-        for stream in streams:
-            stream.close()
+    refused = False
+    for attempt in range(4):
+        rids = [f"pad-{attempt}-{i}" for i in range(8 * (attempt + 1))] + [f"dup-{attempt}"]
+        streams = [requests.post(server.url + "/generate", json={"text": "A story", "rid": rid, "stream": True,
+                                                                 "sampling_params": long}, stream=True, timeout=60)
+                   for rid in rids]
+        try:
+            first = streams[-1]
+            lines = first.iter_lines()
+            assert first.status_code == 200 and next(lines).startswith(b"data: ")  # running
+            again = server.post("/generate", json={"text": "hi", "rid": rids[-1], "sampling_params": {"max_new_tokens": 1}})
+            if again.status_code == 400:
+                assert f"'{rids[-1]}'" in again.json()["error"]["message"]
+                refused = True
+            else:
+                assert again.status_code == 200
+                assert b"[DONE]" in b"".join(lines)  # accepted only because the first had finished
+            for rid in rids:
+                assert server.post("/abort_request", json={"rid": rid}).status_code == 200
+        finally:
+            for stream in streams:
+                stream.close()
+        if refused:
+            break
+    assert refused, "the first request finished before its twin arrived in every try"

@@ -163,7 +163,7 @@ def _panels_dense_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[t
     outs = []
     for start in range(0, p, slab):
         part = packed[start:start + slab]
-        dense = torch.empty(k, part.shape[0] * w, dtype=torch.float32)
+        dense = torch.empty(k, part.shape[0] * w, dtype=torch.float32, device=packed.device)
         dense.view(k, part.shape[0], w).copy_(part.permute(1, 0, 2))
         cols = min(n, (start + part.shape[0]) * w) - start * w
         dense = dense[:, :cols]

@@ -30,7 +30,7 @@ def load_gemm_ops() -> bool:
 @functools.lru_cache(maxsize=None)
 def panel_width() -> int:
     """Output columns per panel in this build (a weight's rows are padded to a multiple of it)."""
-    return int(torch.ops.srt_cpu.convert_weight_packed(torch.zeros(1, 1)).shape[2])
+    return int(torch.ops.srt_cpu.convert_weight_packed(torch.zeros(1, 1, device="cpu")).shape[2])
 
 
 def _convert_weight_packed_fake(weight):

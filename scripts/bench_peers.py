@@ -7,6 +7,7 @@ Servers, each started fresh for every (workload, dtype) measurement, warmed up b
                 to a GGUF (f32 / bf16) with llama.cpp's convert_hf_to_gguf.py into .tiny_models/.gguf/
 Workloads are scripts/bench_serving.py's (as a library; OpenAI /v1/completions, greedy, EOS ignored so
 every server writes the same tokens): random, generated-shared-prefix, multi-turn, at --concurrency.
+Each run leaves its server's log and one JSON line per request (start, TTFT, latency, tokens) in --log-dir.
 
     python scripts/bench_peers.py --quick                         # smoke run on the demo model
     python scripts/bench_peers.py --model smollm2                 # the full run (SmolLM2-135M-Instruct)
@@ -45,7 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -151,8 +152,10 @@ async def _warm_up(client: PeerClient, timeout: float) -> None:
     raise RuntimeError(f"warm-up request kept failing for {timeout:.0f}s: {record.error}")
 
 
-async def measure(argv: List[str], server: str, fixed_output: Optional[int]) -> Dict[str, Any]:
-    """Run one workload against a ready server; bench_serving's summary plus the expected token count."""
+async def measure(argv: List[str], server: str, fixed_output: Optional[int],
+                  records_file: Optional[Path] = None) -> Dict[str, Any]:
+    """Run one workload against a ready server; bench_serving's summary plus the expected token count.
+    `records_file`: also write one JSON line per request (start, TTFT, latency, tokens)."""
     args = bs.parse_args(argv)
     timeout = aiohttp.ClientTimeout(total=args.request_timeout)
     # force_close: one connection per request. llama-server closes idle keep-alive connections on
@@ -173,6 +176,9 @@ async def measure(argv: List[str], server: str, fixed_output: Optional[int]) -> 
         duration = time.perf_counter() - start
         after = await bs.prefix_counters(session, args.base_url)
     summary = bs.summarize(args, records, duration, before, after)
+    if records_file is not None:
+        with open(records_file, "w") as f:
+            f.writelines(json.dumps({**asdict(r), "itl": None}) + "\n" for r in records)
     summary["expected_output_tokens"] = sum(t.output_len for item in work for t in item.turns)
     summary["errors"] = sorted({r.error for r in records if r.error})[:3]
     return summary
@@ -291,7 +297,8 @@ def run_one(workload: str, dtype: str, name: str, model: Path, opts: argparse.Na
         server.argv = server_argv(name, model, dtype, port, opts)
         server.start(server_env(opts.threads)).wait_healthy(START_TIMEOUT_S)
         fixed = opts.sizes.random_output if workload == "random" else None
-        summary = asyncio.run(measure(bench_argv(workload, opts.sizes, server.url), name, fixed))
+        summary = asyncio.run(measure(bench_argv(workload, opts.sizes, server.url), name, fixed,
+                                      log.with_suffix(".requests.jsonl")))
     except (RuntimeError, OSError) as exc:
         print(f"[bench_peers] {workload} / {dtype} / {name} failed: {exc}", file=sys.stderr, flush=True)
         return None

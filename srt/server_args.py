@@ -65,7 +65,7 @@ def _is_host_port(text: str) -> bool:
 
 
 # --chunked-prefill-size when not given, per device kind (what --help promises).
-CHUNKED_PREFILL_DEFAULTS = {"cuda": 8192, "cpu": 2048}
+CHUNKED_PREFILL_DEFAULTS = {"cuda": 8192, "cpu": 1024}
 
 
 def effective_chunked_prefill_size(value: Optional[int], device: str) -> Optional[int]:
@@ -140,7 +140,7 @@ class ServerArgs:
     max_running_requests: Optional[int] = _opt(None, "Cap on concurrently running requests.")
     max_prefill_tokens: int = _opt(16384, "Cap on new tokens in one prefill batch (never blocks the first request).")
     chunked_prefill_size: Optional[int] = _opt(
-        None, "Split prompts longer than this into chunks (default 8192 on CUDA, 2048 on CPU; -1 disables).")
+        None, "Split prompts longer than this into chunks (default 8192 on CUDA, 1024 on CPU; -1 disables).")
     schedule_policy: str = _opt("fcfs", "Order of the waiting queue.", SCHEDULE_POLICY_CHOICES)
     schedule_conservativeness: float = _opt(1.0, "Higher reserves more KV for running decodes.")
     max_queued_requests: Optional[int] = _opt(None, "Refuse requests with 503 beyond this many waiting.")

@@ -127,3 +127,25 @@ def test_prefill_sized_inputs_run_on_a_dense_copy_with_the_same_result(w_dtype, 
     got16 = packed_linear(x16, panels, b.bfloat16(), out_features=n)
     assert got16.dtype == BF16
     torch.testing.assert_close(got16.float(), _ref(x16, w, b.bfloat16()).float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("w_dtype", [F32, BF16], ids=["w_fp32", "w_bf16"])
+def test_unpacked_panels_are_the_transposed_weight_columns(w_dtype):
+    """unpack_weight_panels lays panels [start, start + count) out as dense fp32 [in, out] (bf16
+    widened exactly), columns in order and zeros past the weight's last row."""
+    width = panel_width()
+    n, k = 9 * width + 3, 37  # 10 panels (more than one unpack block), a partial last one
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(5)).to(w_dtype)
+    panels = ops.convert_weight_packed(w)
+    whole = ops.unpack_weight_panels(panels, 0, panels.shape[0])
+    assert whole.shape == (k, 10 * width) and whole.dtype == F32
+    assert torch.equal(whole[:, :n], w.float().t()) and torch.count_nonzero(whole[:, n:]) == 0
+    part = ops.unpack_weight_panels(panels, 2, 3)
+    assert torch.equal(part, w.float()[2 * width:5 * width].t())
+
+
+@pytest.mark.parametrize("start,count", [(-1, 2), (0, 0), (9, 2)])
+def test_unpacking_panels_outside_the_weight_is_refused(start, count):
+    panels = ops.convert_weight_packed(torch.zeros(10 * panel_width(), 4))
+    with pytest.raises(RuntimeError, match=r"unpack_weight_panels: panels \[.*outside \[0, 10\)"):
+        ops.unpack_weight_panels(panels, start, count)

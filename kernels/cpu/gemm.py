@@ -3,6 +3,7 @@ decode-sized matmuls are slow; srt/layers/cpu_weight_packing.py decides when the
 
     torch.ops.srt_cpu.convert_weight_packed(weight [N, K]) -> panels [ceil(N / W), K, W]
     torch.ops.srt_cpu.weight_packed_linear(x [M, K], panels, bias | None, N, out_dtype | None) -> [M, N]
+    torch.ops.srt_cpu.unpack_weight_panels(panels, start, count) -> dense fp32 [K, count * W]
 
 W (`panel_width()`) is two vectors of floats: 16 with AVX2, 32 with AVX-512. fp32 or bf16 weights,
 x and output (bf16 weights are widened in registers), fp32 accumulation, one rounding of the output.
@@ -24,6 +25,7 @@ def load_gemm_ops() -> bool:
         return False
     torch.library.register_fake("srt_cpu::convert_weight_packed", _convert_weight_packed_fake)
     torch.library.register_fake("srt_cpu::weight_packed_linear", _weight_packed_linear_fake)
+    torch.library.register_fake("srt_cpu::unpack_weight_panels", _unpack_weight_panels_fake)
     return True
 
 
@@ -36,6 +38,10 @@ def panel_width() -> int:
 def _convert_weight_packed_fake(weight):
     w = panel_width()
     return weight.new_empty((weight.shape[0] + w - 1) // w, weight.shape[1], w)
+
+
+def _unpack_weight_panels_fake(packed, start, count):
+    return packed.new_empty(packed.shape[1], count * packed.shape[2], dtype=torch.float32)
 
 
 def _weight_packed_linear_fake(x, packed, bias, out_features, out_dtype):

@@ -47,9 +47,10 @@ PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 GEMM_CHOICES = ("auto", "srt", "onednn")
 # Panels, prefill-sized inputs: the panel kernel re-reads the weights for every 96-row block and ran
 # matmuls of a few hundred rows and more at 75-95% of oneDNN's speed, so from this many rows the
-# weight is laid back out as dense fp32 [in, out] for the call (a copy of its bytes, a few percent
-# of such a matmul) and BLAS runs it.
-PANEL_DENSE_ROWS = 128
+# weight is laid back out as dense fp32 [in, out] for the call (a copy of its bytes) and BLAS runs it.
+# Below it the copy costs more than it saves: a SmolLM2 prefill of one 128-token request took 326 ms
+# on the panel kernel and 489 ms through the copy (256 tokens: 598 vs 678 ms; 512: 1373 vs 1227 ms).
+PANEL_DENSE_ROWS = 512
 # ... in slabs of at most this many fp32 values, so the copy stays small for any model.
 PANEL_DENSE_SLAB = 1 << 24
 # oneDNN picks its blocking for this many rows; any row count runs on the packed weight.
@@ -162,10 +163,9 @@ def _panels_dense_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[t
     slab = max(1, PANEL_DENSE_SLAB // (k * w))  # panels per slab
     outs = []
     for start in range(0, p, slab):
-        part = packed[start:start + slab]
-        dense = torch.empty(k, part.shape[0] * w, dtype=torch.float32, device=packed.device)
-        dense.view(k, part.shape[0], w).copy_(part.permute(1, 0, 2))
-        cols = min(n, (start + part.shape[0]) * w) - start * w
+        count = min(slab, p - start)
+        dense = torch.ops.srt_cpu.unpack_weight_panels(packed, start, count)  # [in, count * w] fp32
+        cols = min(n, (start + count) * w) - start * w
         dense = dense[:, :cols]
         if bias is None:
             outs.append(torch.mm(xf, dense))

@@ -92,3 +92,54 @@ def test_setuptools_lists_our_packages_explicitly() -> None:
     include = PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]
     for name in OUR_PACKAGES:
         assert f"{name}*" in include or name in include, f"{name} missing from packages.find.include"
+
+
+def test_transformers_is_pinned_below_the_release_that_requires_hub_kernels() -> None:
+    # transformers 5.25 lists Hugging Face's `kernels` as a hard requirement and imports it when
+    # installed; ours shadows it (CI broke on exactly that when 5.25 came out).
+    (spec,) = [Requirement(s) for s in PYPROJECT["project"]["dependencies"] if Requirement(s).name == "transformers"]
+    assert spec.specifier.contains("5.24.0")
+    assert not spec.specifier.contains("5.25.0")
+    installed = Version(import_utils.importlib.metadata.version("transformers"))
+    assert spec.specifier.contains(installed), f"set-up installed transformers {installed}, outside {spec}"
+
+
+def test_a_shadowed_hub_kernels_install_fails_with_an_error_that_names_the_cause(tmp_path: Path) -> None:
+    # A fake Hugging Face `kernels` distribution (metadata only) next to our package of the same
+    # import name: what transformers >= 5.25 does then (`from kernels import CUDAProperties`) must
+    # say what is shadowing what and how to fix it, not just "cannot import name".
+    dist_info = tmp_path / "kernels-0.19.1.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: kernels\nVersion: 0.19.1\n")
+    result = _run_python(
+        f"""
+        import json, sys
+        sys.path.append({str(tmp_path)!r})
+        import kernels
+        try:
+            from kernels import CUDAProperties
+            error = None
+        except ImportError as exc:
+            error = str(exc)
+        print(json.dumps({{"error": error, "has_version": hasattr(kernels, "__version__")}}))
+        """
+    )
+    assert result["error"] is not None
+    for part in ("'CUDAProperties'", "Hugging Face's `kernels` 0.19.1", "shadows it", "transformers>=5.17,<5.25"):
+        assert part in result["error"], result["error"]
+    assert result["has_version"] is False
+
+
+def test_without_hub_kernels_a_missing_name_is_a_plain_attribute_error() -> None:
+    result = _run_python(
+        """
+        import json, kernels
+        try:
+            kernels.CUDAProperties
+            kind = None
+        except Exception as exc:
+            kind = type(exc).__name__
+        print(json.dumps({"kind": kind}))
+        """
+    )
+    assert result["kind"] == "AttributeError"

@@ -13,8 +13,10 @@ step (2 per layer, plus the embedding's and the LM head's gather) is visible.
 
 `--decode-attention paged torch` (CPU) compares decode attention implementations on one prefilled
 batch, alternating them step by step so that both see the same lengths and the same machine load:
-`paged` (the C++ op reading the KV pool in place, kernels/cpu) and `torch` (the gather into
-padded buffers + SDPA fallback). The table gives the median step of each and the ratio.
+`paged` (the C++ op reading the KV pool in place, kernels/cpu), `paged-unshared` (the same op
+reading a prefix shared by several requests once per request) and `torch` (the gather into padded
+buffers + SDPA fallback). The table gives the median step of each and the ratio to the first.
+`--shared-prefix LEN GROUPS` makes the requests of each group share their first LEN slots.
 
 `--decode-modes` measures decode once per mode, side by side on the same runner and inputs:
 `eager` (the plain forward), `graph` (the CUDA-graph runner: captured graphs on CUDA, its eager
@@ -30,6 +32,7 @@ and the same inputs; the table prints tokens/s and our/HF ratios measured in one
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -122,10 +125,13 @@ def main() -> None:
     p.add_argument("--peak-bandwidth-tbs", type=float, default=4.8, help="memory bandwidth for the roofline (H200: 4.8)")
     p.add_argument("--json-out", help="also write the rows as JSON here")
     p.add_argument("--tp-size", type=int, default=1, help="compare decode at TP = 1 and TP = this (see above)")
-    p.add_argument("--decode-attention", nargs="+", choices=["paged", "torch"], default=None,
+    p.add_argument("--decode-attention", nargs="+", choices=["paged", "paged-unshared", "torch"], default=None,
                    help="CPU: compare decode attention implementations step by step (see above); no HF")
     p.add_argument("--random-prompt-kv", action="store_true",
                    help="with --decode-attention: random prompt K/V instead of a prefill (same decode cost)")
+    p.add_argument("--shared-prefix", type=int, nargs=2, metavar=("LEN", "GROUPS"),
+                   help="with --random-prompt-kv: request i joins group i %% GROUPS, whose requests share their "
+                        "first LEN slots (as a radix-cache hit leaves them); paged-unshared reads them per request")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -317,21 +323,41 @@ def bench_modes(runner: ModelRunner, args, max_len: int) -> None:
         Path(args.json_out).write_text(json.dumps(rows, indent=1))
 
 
-def fill_prompt_kv(batch: StaticBatch, length: int, seed: int = 0) -> None:
+def fill_prompt_kv(batch: StaticBatch, length: int, seed: int = 0, shared: int = 0, groups: int = 0) -> None:
     """What a prefill of `length` tokens per request leaves behind (slots, `req_to_token`, K/V),
     with random K/V: decode attention costs the same, and a prefill of 16 x 1,100 tokens costs
-    minutes of CPU."""
+    minutes of CPU. With `groups`, request i joins group i % groups, and the group's members after
+    the first hold its first `shared` slots, as requests matching one cached prefix do."""
     runner, n = batch.runner, len(batch.rows)
-    slots = runner.token_to_kv_pool_allocator.alloc_extend([0] * n, [length] * n, batch._last_locs(range(n)))
+    leads = range(min(n, groups)) if groups else range(n)
+    members = [i for i in range(n) if i not in leads]
+    own = [length] * len(leads) + [length - shared] * len(members)
+    slots = runner.token_to_kv_pool_allocator.alloc_extend([0] * n, own, batch._last_locs(range(n)))
     if slots is None:
         raise RuntimeError("KV pool exhausted")
-    for i, row in enumerate(batch.rows):
-        runner.req_to_token_pool.write(row, 0, slots[i * length : (i + 1) * length])
+    off = 0
+    for i, count in zip([*leads, *members], own):
+        mine = slots[off : off + count]
+        off += count
+        if count < length:
+            lead_row = batch.rows[i % groups]
+            mine = torch.cat([runner.req_to_token_pool.req_to_token[lead_row, :shared].to(mine), mine])
+        runner.req_to_token_pool.write(batch.rows[i], 0, mine)
         batch.seq_lens[i] = length
+    batch.shared_members, batch.shared_len = members, shared
     pool, g = runner.token_to_kv_pool, torch.Generator().manual_seed(seed)
     for buf in pool.k_buffer + pool.v_buffer:
         rows = torch.randn((len(slots),) + tuple(buf.shape[1:]), generator=g).to(buf.dtype)
         buf.index_copy_(0, slots.to(buf.device), rows.to(buf.device))
+
+
+def release_shared(batch: StaticBatch) -> None:
+    """Free a batch from fill_prompt_kv: the shared prefixes once, through their group's lead."""
+    table = batch.runner.req_to_token_pool.req_to_token
+    for i in getattr(batch, "shared_members", []):
+        batch.runner.token_to_kv_pool_allocator.free(table[batch.rows[i], batch.shared_len : batch.seq_lens[i]].long())
+        batch.seq_lens[i] = 0
+    batch.release()
 
 
 def bench_decode_attention(runner: ModelRunner, args) -> None:
@@ -341,26 +367,33 @@ def bench_decode_attention(runner: ModelRunner, args) -> None:
 
     pool = runner.token_to_kv_pool
     backends = {"paged": TorchNativeAttnBackend(runner.device, pool.dtype, pool.store_dtype),
+                "paged-unshared": TorchNativeAttnBackend(runner.device, pool.dtype, pool.store_dtype),
                 "torch": TorchNativeAttnBackend(runner.device)}
     if backends["paged"].paged_decode is None:
         sys.exit("the C++ paged decode op is unavailable here (CUDA device, fp8/fp16 KV, or no build): see the log")
+    backends["paged-unshared"].paged_decode = functools.partial(backends["paged"].paged_decode, share_prefixes=False)
     impls = args.decode_attention
+    shared, groups = args.shared_prefix or (0, 0)
+    if groups and not args.random_prompt_kv:
+        sys.exit("--shared-prefix needs --random-prompt-kv")
     print(f"# bench_one_batch --decode-attention: {args.model_path or args.preset}, {args.dtype}, "
           f"KV {str(pool.store_dtype).replace('torch.', '')}, {runner.device}, threads={torch.get_num_threads()}, "
           f"{args.output_len} decode steps per implementation, prompt KV "
-          f"{'random' if args.random_prompt_kv else 'prefilled'}")
+          f"{'random' if args.random_prompt_kv else 'prefilled'}"
+          + (f", {groups} groups sharing their first {shared} slots" if groups else ""))
     head = "| batch | input | " + " | ".join(f"{i} step ms | {i} CPU ms" for i in impls)
-    both = set(impls) == {"paged", "torch"}
-    head += " | torch / paged (wall) | torch / paged (CPU) |" if both else " |"
+    both = impls[0] != "torch" and "torch" in impls
+    head += f" | torch / {impls[0]} (wall) | torch / {impls[0]} (CPU) |" if both else " |"
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     g = torch.Generator().manual_seed(0)
     for L in args.input_lens:
         for bs in args.batch_sizes:
             prompts = torch.randint(3, runner.model_config.vocab_size, (bs, L), generator=g).tolist()
+            free_before = runner.token_to_kv_pool_allocator.available_size()
             batch = StaticBatch(runner, bs)
             if args.random_prompt_kv:
-                fill_prompt_kv(batch, L)
+                fill_prompt_kv(batch, L, shared=shared, groups=groups)
                 nxt = torch.tensor([p[-1] for p in prompts], device=runner.device)
             else:
                 nxt = batch.extend(prompts).next_token_logits.argmax(-1)
@@ -374,11 +407,15 @@ def bench_decode_attention(runner: ModelRunner, args) -> None:
                 if step >= len(impls):  # the first step of each is a warm-up
                     wall[impl].append(t)
                     cpu[impl].append(time.process_time() - c0)
-            batch.release()
+            release_shared(batch)
+            free_after = runner.token_to_kv_pool_allocator.available_size()
+            if free_after != free_before:
+                raise RuntimeError(f"KV slots leaked or freed twice: {free_before} free before, {free_after} after")
             w = {i: statistics.median(ts) for i, ts in wall.items()}
             c = {i: statistics.median(ts) for i, ts in cpu.items()}
             row = f"| {bs} | {L} | " + " | ".join(f"{w[i] * 1e3:.1f} | {c[i] * 1e3:.1f}" for i in impls)
-            row += f" | {w['torch'] / w['paged']:.2f} | {c['torch'] / c['paged']:.2f} |" if both else " |"
+            base = impls[0]
+            row += f" | {w['torch'] / w[base]:.2f} | {c['torch'] / c[base]:.2f} |" if both else " |"
             print(row, flush=True)
     runner.attn_backend = backends["paged"]
 

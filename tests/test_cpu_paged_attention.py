@@ -135,6 +135,64 @@ def test_a_row_gives_the_same_bits_alone_or_in_a_batch(op):
         assert torch.equal(alone[0], batch[b]), f"row {b}"
 
 
+def share_prefixes(layout: Layout, groups) -> Layout:
+    """Each group (lead, member, prefix length) gives `member` the lead's first slots, as the radix
+    cache does for requests that match one cached prefix; the member's own slots past it stay."""
+    table = layout.req_to_token.clone()
+    for lead, member, n in groups:
+        table[layout.rows[member], :n] = table[layout.rows[lead], :n]
+    return Layout(layout.k, layout.v, table, layout.rows, layout.seq_lens)
+
+
+# Requests 0-3 share a 700-token prefix (splits 0 and 1 are whole, split 2 diverges at 700);
+# 4 shares 256 with 5 (exactly one split); 6 is 5's twin (same length, every slot shared); 7
+# shares only its first 100 slots with 0, so it starts split 0 like 0 but must not join 0's task.
+SHARED_LENS = [1100, 900, 701, 768, 300, 257, 257, 400]
+SHARED_GROUPS = [(0, 1, 700), (0, 2, 700), (0, 3, 700), (4, 5, 256), (5, 6, 257), (0, 7, 100)]
+
+
+@pytest.mark.parametrize("q_dtype,kv_dtype", [(F32, F32), (BF16, BF16), (F32, BF16)])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_requests_sharing_a_prefix_get_their_unshared_bits_and_the_dense_answer(op, q_dtype, kv_dtype, page_size):
+    layout = share_prefixes(make_layout(SHARED_LENS, page_size, 3, 64, dtype=kv_dtype, seed=21), SHARED_GROUPS)
+    q = torch.randn(len(SHARED_LENS), 9, 64).to(q_dtype)
+    args = (q, layout.k, layout.v, layout.req_to_token, layout.rows, layout.seq_lens, 0.125)
+    shared, alone = op(*args), op(*args, share_prefixes=False)
+    assert torch.equal(shared, alone), "a request's result depends on whom it shares a prefix with"
+    tol = 1e-5 if q_dtype == F32 else 1e-2
+    torch.testing.assert_close(shared.double(), dense_attention(q, layout, 0.125), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("kv_dtype", [F32, BF16])
+def test_kv_buffers_with_padded_heads_are_read_head_by_head(op, kv_dtype):
+    # A slot's heads not back to back (a view of wider rows): no run of slots is one copy.
+    base = make_layout(LENGTHS["ragged"], 1, 2, 64, dtype=kv_dtype, seed=13)
+    wide_k = torch.full((base.k.shape[0], 2, 72), float("nan"), dtype=kv_dtype)
+    wide_v = wide_k.clone()
+    wide_k[..., :64], wide_v[..., :64] = base.k, base.v
+    layout = Layout(wide_k[..., :64], wide_v[..., :64], base.req_to_token, base.rows, base.seq_lens)
+    assert layout.k.stride(1) == 72
+    q = torch.randn(len(LENGTHS["ragged"]), 6, 64)
+    out = op(q, layout.k, layout.v, layout.req_to_token, layout.rows, layout.seq_lens, 0.125)
+    dense = op(q, base.k, base.v, base.req_to_token, base.rows, base.seq_lens, 0.125)
+    assert torch.equal(out, dense)
+    torch.testing.assert_close(out.double(), dense_attention(q, base, 0.125), rtol=1e-5, atol=1e-5)
+
+
+def test_splits_over_the_same_slots_become_one_task():
+    layout = share_prefixes(make_layout(SHARED_LENS, 1, 3, 64, seed=21), SHARED_GROUPS)
+    members = torch.ops.srt_cpu.paged_decode_task_members
+    args = (layout.req_to_token, layout.rows, layout.seq_lens)
+    alone = members(*args, share_prefixes=False)
+    splits = sum(math.ceil(n / 256) for n in SHARED_LENS)
+    assert alone.tolist() == [1] * splits
+    shared = members(*args)
+    assert shared.sum().item() == splits, "every split runs exactly once"
+    # Splits 0 and 1 of requests 0-3 (four members each), split 0 of 4-6 and split 1 of 5-6
+    # (257 keys: one key in split 1); 7's split 0 starts on 0's slot but diverges at 100.
+    assert sorted(shared.tolist(), reverse=True) == [4, 4, 3, 2] + [1] * (splits - 13)
+
+
 def test_a_slot_outside_the_pool_raises(op):
     layout = make_layout([5], 1, 1, 16)
     layout.req_to_token[layout.rows[0], 2] = layout.k.shape[0]

@@ -1,8 +1,11 @@
 """Paged decode attention that reads the KV pool in place: when the C++ op serves a backend.
 
 `torch.ops.srt_cpu.paged_decode_attention(q, k_buffer, v_buffer, req_to_token,
-req_pool_indices, seq_lens, scale)`: q `[bs, heads, head_dim]` attends, per request b, to the KV
-slots `req_to_token[req_pool_indices[b], :seq_lens[b]]`; returns `[bs, heads, head_dim]`.
+req_pool_indices, seq_lens, scale, share_prefixes=True)`: q `[bs, heads, head_dim]` attends, per
+request b, to the KV slots `req_to_token[req_pool_indices[b], :seq_lens[b]]`; returns
+`[bs, heads, head_dim]`. With `share_prefixes`, requests whose rows hold the same slots over a
+split of keys (a prefix the radix cache shares) read those K/V rows once together; each request's
+result is bit for bit what it is alone.
 Slot indices make it page-size agnostic; fp32 or bf16 q and KV, fp32 accumulation.
 """
 
@@ -37,5 +40,6 @@ def _load() -> bool:
     return True
 
 
-def _paged_decode_attention_fake(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, scale):
+def _paged_decode_attention_fake(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, scale,
+                                 share_prefixes=True):
     return q.new_empty(q.shape)

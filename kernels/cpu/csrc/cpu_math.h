@@ -152,17 +152,6 @@ inline void round_row(float* row, int64_t n, c10::BFloat16 /*tag*/) {
   for (; i < n; ++i) row[i] = to_float(from_float<c10::BFloat16>(row[i]));
 }
 
-// One K or V row as fp32: fp32 storage is used in place, bf16 is widened into `scratch` (whole
-// vectors, then a scalar tail), once per row however many query heads then read it.
-inline const float* float_row(const float* row, float* /*scratch*/, int64_t /*n*/) { return row; }
-
-inline const float* float_row(const c10::BFloat16* row, float* scratch, int64_t n) {
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) vstore(scratch + i, vload(row + i));
-  for (; i < n; ++i) scratch[i] = to_float(row[i]);
-  return scratch;
-}
-
 // Run `body(i, state)` for i in [0, n) on torch's intra-op threads, handing out indices one at a
 // time (dynamic scheduling: the tail of a ragged batch does not pile up on one thread). torch's
 // own pool, so torch.set_num_threads governs these ops too and no second OpenMP runtime loads.

@@ -2,6 +2,8 @@
 // pool, through `req_to_token` (no gathered or padded copy), so the work of a row is its own
 // length. Keys are cut into fixed-size splits (flash-decoding): each (request, split) is one task
 // with its own online softmax per head, and a request with several splits is merged at the end.
+// Splits of several requests over the same slots (a prefix shared through the radix cache) are one
+// task, so a shared prefix is read from memory once per step, not once per request.
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -12,13 +14,15 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <tuple>
+#include <type_traits>
 #include <vector>
 
+#include "attention_tiles.h"
 #include "cpu_math.h"
 
 namespace {
 
-using srt_cpu::float_row;
 using srt_cpu::from_float;
 using srt_cpu::kLanes;
 using srt_cpu::vfloat;
@@ -33,12 +37,19 @@ constexpr int64_t kSplitTokens = 256;
 constexpr int64_t kBlockTokens = 32;
 static_assert(kBlockTokens % kLanes == 0, "score rows are processed in whole vectors");
 
-// One unit of work: keys [begin, end) of request `b`, every head. All heads in one task, so the
-// K and V rows of a slot ([kv_heads, head_dim], contiguous) are read together. `part` < 0: the
-// request has one split and the task writes the output itself; otherwise the index of its
-// (max, sum, unnormalised output) partial.
+// One query of a task: request `b`'s heads. `part` < 0: the request has one split and the task
+// writes its output itself; otherwise the index of its (max, sum, unnormalised output) partial.
+struct Member {
+  int64_t b, part;
+};
+
+// One unit of work: keys [begin, end), every head, for members [first, first + count) of
+// Plan::members. All heads in one task, so the K and V rows of a slot ([kv_heads, head_dim],
+// contiguous) are read together. Requests whose slots in [begin, end) are the same (a prefix the
+// radix cache shares) are members of one task: each block of K and V rows is read from memory
+// once for all of them, and each member's arithmetic is exactly what it would be alone.
 struct Task {
-  int64_t b, begin, end, part;
+  int64_t begin, end, first, count;
 };
 
 // A request whose splits are merged: partials [first, first + count).
@@ -46,15 +57,29 @@ struct Merge {
   int64_t b, first, count;
 };
 
-// Per-worker buffers, allocated once per worker per call. `rows[j]` points at key j's K (then
-// V) row of one kv head as fp32: in the pool itself for fp32 storage, in `tile` for bf16.
+// Per-worker buffers, allocated once per worker per call, with the running state of up to
+// `members` queries (q, acc, max, sum, score: member m at offset m * heads), the block's K and V
+// rows as fp32 ([kBlockTokens][kv_heads][dim]), and `rows[j]`: key j's row of one kv head there.
 struct Scratch {
-  std::vector<float> q, acc, score, tile, max, sum;
+  int64_t heads, dim;
+  std::vector<float> q, acc, score, max, sum, k_tile, v_tile;
   std::vector<int64_t> slot;
-  std::vector<const float*> rows;
-  Scratch(int64_t heads, int64_t dim)
-      : q(heads * dim), acc(heads * dim), score(heads * kBlockTokens), tile(kBlockTokens * dim), max(heads),
-        sum(heads), slot(kBlockTokens), rows(kBlockTokens) {}
+  std::vector<const float*> rows, q_rows;
+  std::vector<float*> score_rows, acc_rows;
+  Scratch(int64_t heads, int64_t kv_heads, int64_t dim, int64_t members)
+      : heads(heads), dim(dim), q(members * heads * dim), acc(members * heads * dim),
+        score(members * heads * kBlockTokens), max(members * heads), sum(members * heads),
+        k_tile(kBlockTokens * kv_heads * dim), v_tile(kBlockTokens * kv_heads * dim), slot(kBlockTokens),
+        rows(kBlockTokens), q_rows(members * heads), score_rows(members * heads), acc_rows(members * heads) {}
+};
+
+// Member m's view of the running state in a Scratch.
+struct Query {
+  float *q, *acc, *score, *max, *sum;
+  Query(Scratch& s, int64_t m)
+      : q(s.q.data() + m * s.heads * s.dim), acc(s.acc.data() + m * s.heads * s.dim),
+        score(s.score.data() + m * s.heads * kBlockTokens), max(s.max.data() + m * s.heads),
+        sum(s.sum.data() + m * s.heads) {}
 };
 
 template <typename q_t, typename kv_t>
@@ -77,15 +102,15 @@ struct Decode {
 
   int64_t heads() const { return num_kv_heads * group; }
 
-  void load_q(int64_t b, Scratch& s) const {
+  void load_q(int64_t b, const Query& m) const {
     for (int64_t h = 0; h < heads(); ++h) {
       const q_t* src = q + b * q_s0 + h * q_s1;
-      float* dst = s.q.data() + h * dim;
+      float* dst = m.q + h * dim;
       for (int64_t d = 0; d < dim; ++d) dst[d] = srt_cpu::to_float(src[d]) * scale;
     }
-    std::fill(s.acc.begin(), s.acc.end(), 0.0f);
-    std::fill(s.max.begin(), s.max.end(), -std::numeric_limits<float>::infinity());
-    std::fill(s.sum.begin(), s.sum.end(), 0.0f);
+    std::fill(m.acc, m.acc + heads() * dim, 0.0f);
+    std::fill(m.max, m.max + heads(), -std::numeric_limits<float>::infinity());
+    std::fill(m.sum, m.sum + heads(), 0.0f);
   }
 
   void lookup_slots(const int32_t* slots, int64_t start, int64_t n, Scratch& s) const {
@@ -99,140 +124,105 @@ struct Decode {
     }
   }
 
-  void point_rows(const kv_t* buffer, int64_t s0, int64_t head_offset, int64_t n, Scratch& s) const {
-    for (int64_t j = 0; j < n; ++j) {
-      s.rows[j] = float_row(buffer + s.slot[j] * s0 + head_offset, s.tile.data() + j * dim, dim);
+  // The block's K (or V) rows, every kv head, as fp32 in `tile` [n][kv_heads][dim]. Runs of
+  // consecutive slots (what the allocator hands out) are one sequential copy; reading each kv
+  // head's slice of the rows in place instead left every load waiting on memory (1.6-1.9x slower
+  // on a 16 x 1,100 batch, one thread), and software prefetching did not help.
+  void copy_rows(const kv_t* buffer, int64_t s0, int64_t s1, int64_t n, const Scratch& s, float* tile) const {
+    const int64_t row = num_kv_heads * dim;
+    const bool dense = s1 == dim && s0 == row;  // a slot's heads back to back, slots back to back
+    for (int64_t j = 0; j < n;) {
+      int64_t end = j + 1;
+      while (dense && end < n && s.slot[end] == s.slot[end - 1] + 1) ++end;
+      const kv_t* src = buffer + s.slot[j] * s0;
+      if (dense && std::is_same_v<kv_t, float>) {
+        std::memcpy(tile + j * row, src, (end - j) * row * sizeof(float));  // glibc's copy: faster than a loop
+      } else if (dense) {
+        srt_cpu::load_row(src, tile + j * row, (end - j) * row);
+      } else {
+        for (int64_t h = 0; h < num_kv_heads; ++h) srt_cpu::load_row(src + h * s1, tile + (j * num_kv_heads + h) * dim, dim);
+      }
+      j = end;
     }
   }
 
-  // s.score[h][j] = q_h . k_j for the heads [h0, h0 + group) of one kv head, four keys at a time
-  // (four independent accumulators).
-  void score_block(int64_t h0, int64_t n, Scratch& s) const {
-    const float* const* key = s.rows.data();
-    const int64_t vec_dim = dim / kLanes * kLanes;
-    for (int64_t h = h0; h < h0 + group; ++h) {
-      const float* qh = s.q.data() + h * dim;
-      float* score = s.score.data() + h * kBlockTokens;
-      int64_t j = 0;
-      for (; j + 4 <= n; j += 4) {
-        const float *k0 = key[j], *k1 = key[j + 1], *k2 = key[j + 2], *k3 = key[j + 3];
-        vfloat a0 = {}, a1 = {}, a2 = {}, a3 = {};
-        for (int64_t d = 0; d < vec_dim; d += kLanes) {
-          const vfloat x = vload(qh + d);
-          a0 += x * vload(k0 + d);
-          a1 += x * vload(k1 + d);
-          a2 += x * vload(k2 + d);
-          a3 += x * vload(k3 + d);
-        }
-        float d0 = vsum(a0), d1 = vsum(a1), d2 = vsum(a2), d3 = vsum(a3);
-        for (int64_t d = vec_dim; d < dim; ++d) {
-          d0 += qh[d] * k0[d];
-          d1 += qh[d] * k1[d];
-          d2 += qh[d] * k2[d];
-          d3 += qh[d] * k3[d];
-        }
-        score[j] = d0;
-        score[j + 1] = d1;
-        score[j + 2] = d2;
-        score[j + 3] = d3;
-      }
-      for (; j < n; ++j) {
-        const float* kj = key[j];
-        vfloat a = {};
-        for (int64_t d = 0; d < vec_dim; d += kLanes) a += vload(qh + d) * vload(kj + d);
-        float dot = vsum(a);
-        for (int64_t d = vec_dim; d < dim; ++d) dot += qh[d] * kj[d];
-        score[j] = dot;
-      }
-    }
+  void point_rows(const float* tile, int64_t kv_head, int64_t n, Scratch& s) const {
+    for (int64_t j = 0; j < n; ++j) s.rows[j] = tile + (j * num_kv_heads + kv_head) * dim;
   }
 
   // Online softmax: fold the block's scores into each head's running max and sum, rescale
-  // the running output, and leave the block's probabilities (relative to the new max) in s.score.
-  void softmax_block(int64_t h0, int64_t n, Scratch& s) const {
+  // the running output, and leave the block's probabilities (relative to the new max) in m.score.
+  void softmax_block(int64_t h0, int64_t n, const Query& m) const {
     for (int64_t h = h0; h < h0 + group; ++h) {
-      float* sc = s.score.data() + h * kBlockTokens;
+      float* sc = m.score + h * kBlockTokens;
       float block_max = sc[0];
       for (int64_t j = 1; j < n; ++j) block_max = std::max(block_max, sc[j]);
-      const float new_max = std::max(s.max[h], block_max);
-      const float alpha = std::exp(s.max[h] - new_max);  // 0 on the first block (max is -inf)
+      const float new_max = std::max(m.max[h], block_max);
+      const float alpha = std::exp(m.max[h] - new_max);  // 0 on the first block (max is -inf)
       // Whole vectors (a score row is a multiple of kLanes long): lanes past n are never read.
       const vfloat shift = srt_cpu::vbroadcast(new_max);
       for (int64_t j = 0; j < n; j += kLanes) vstore(sc + j, srt_cpu::vexp(vload(sc + j) - shift));
       float block_sum = 0.0f;
       for (int64_t j = 0; j < n; ++j) block_sum += sc[j];
-      s.sum[h] = s.sum[h] * alpha + block_sum;
-      s.max[h] = new_max;
+      m.sum[h] = m.sum[h] * alpha + block_sum;
+      m.max[h] = new_max;
       if (alpha != 1.0f) {
-        float* acc = s.acc.data() + h * dim;
+        float* acc = m.acc + h * dim;
         for (int64_t d = 0; d < dim; ++d) acc[d] *= alpha;
       }
     }
   }
 
-  // acc_h += sum_j p_hj * v_j, 32 floats of the head dim at a time: that chunk of the running
-  // output stays in four vector registers across the block's keys.
-  void accumulate_values(int64_t h0, int64_t n, Scratch& s) const {
-    const float* const* value = s.rows.data();
-    for (int64_t h = h0; h < h0 + group; ++h) {
-      const float* p = s.score.data() + h * kBlockTokens;
-      float* acc = s.acc.data() + h * dim;
-      int64_t d0 = 0;
-      for (; d0 + 4 * kLanes <= dim; d0 += 4 * kLanes) {
-        vfloat a0 = vload(acc + d0), a1 = vload(acc + d0 + kLanes);
-        vfloat a2 = vload(acc + d0 + 2 * kLanes), a3 = vload(acc + d0 + 3 * kLanes);
-        for (int64_t j = 0; j < n; ++j) {
-          const float pj = p[j];
-          const float* vj = value[j] + d0;
-          a0 += pj * vload(vj);
-          a1 += pj * vload(vj + kLanes);
-          a2 += pj * vload(vj + 2 * kLanes);
-          a3 += pj * vload(vj + 3 * kLanes);
-        }
-        vstore(acc + d0, a0);
-        vstore(acc + d0 + kLanes, a1);
-        vstore(acc + d0 + 2 * kLanes, a2);
-        vstore(acc + d0 + 3 * kLanes, a3);
-      }
-      for (; d0 + kLanes <= dim; d0 += kLanes) {
-        vfloat a = vload(acc + d0);
-        for (int64_t j = 0; j < n; ++j) a += p[j] * vload(value[j] + d0);
-        vstore(acc + d0, a);
-      }
-      for (; d0 < dim; ++d0) {
-        float a = acc[d0];
-        for (int64_t j = 0; j < n; ++j) a += p[j] * value[j][d0];
-        acc[d0] = a;
+  // The query rows of one kv head, over every member: row r is member r / group's head
+  // h0 + r % group (its q, its block scores, its running output).
+  int64_t point_queries(int64_t h0, int64_t count, Scratch& s) const {
+    int64_t r = 0;
+    for (int64_t i = 0; i < count; ++i) {
+      const Query m(s, i);
+      for (int64_t h = h0; h < h0 + group; ++h, ++r) {
+        s.q_rows[r] = m.q + h * dim;
+        s.score_rows[r] = m.score + h * kBlockTokens;
+        s.acc_rows[r] = m.acc + h * dim;
       }
     }
+    return r;
   }
 
-  void run(const Task& t, Scratch& s) const {
-    load_q(t.b, s);
-    const int32_t* slots = req_to_token + rows[t.b] * r2t_s0;
+  void run(const Task& t, const Member* members, Scratch& s) const {
+    for (int64_t i = 0; i < t.count; ++i) load_q(members[i].b, Query(s, i));
+    // Every member's slots in [begin, end) are the same: read them through the first one's row.
+    const int32_t* slots = req_to_token + rows[members[0].b] * r2t_s0;
     for (int64_t start = t.begin; start < t.end; start += kBlockTokens) {
       const int64_t n = std::min(kBlockTokens, t.end - start);
       lookup_slots(slots, start, n, s);
+      copy_rows(k, k_s0, k_s1, n, s, s.k_tile.data());
+      copy_rows(v, v_s0, v_s1, n, s, s.v_tile.data());
       for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
         const int64_t h0 = kv_head * group;
-        point_rows(k, k_s0, kv_head * k_s1, n, s);
-        score_block(h0, n, s);
-        softmax_block(h0, n, s);
-        point_rows(v, v_s0, kv_head * v_s1, n, s);
-        accumulate_values(h0, n, s);
+        const int64_t query_rows = point_queries(h0, t.count, s);
+        point_rows(s.k_tile.data(), kv_head, n, s);
+        srt_cpu::score_rows(s.q_rows.data(), s.rows.data(), s.score_rows.data(), query_rows, n, dim);
+        for (int64_t i = 0; i < t.count; ++i) softmax_block(h0, n, Query(s, i));
+        point_rows(s.v_tile.data(), kv_head, n, s);
+        srt_cpu::value_rows(s.score_rows.data(), s.rows.data(), s.acc_rows.data(), query_rows, n, dim);
       }
     }
+    for (int64_t i = 0; i < t.count; ++i) finish(members[i], Query(s, i));
+  }
+
+  // A member's output (one split) or its partial (several).
+  void finish(const Member& member, const Query& m) const {
     for (int64_t h = 0; h < heads(); ++h) {
-      const float* acc = s.acc.data() + h * dim;
-      if (t.part < 0) {
-        q_t* dst = out + (t.b * heads() + h) * dim;
-        const float inv = 1.0f / s.sum[h];
+      const float* acc = m.acc + h * dim;
+      if (member.part < 0) {
+        q_t* dst = out + (member.b * heads() + h) * dim;
+        const float inv = 1.0f / m.sum[h];
         for (int64_t d = 0; d < dim; ++d) dst[d] = from_float<q_t>(acc[d] * inv);
       } else {
-        const int64_t p = t.part * heads() + h;
+        const int64_t p = member.part * heads() + h;
         std::memcpy(part_acc + p * dim, acc, dim * sizeof(float));
-        part_max[p] = s.max[h];
-        part_sum[p] = s.sum[h];
+        part_max[p] = m.max[h];
+        part_sum[p] = m.sum[h];
       }
     }
   }
@@ -262,27 +252,69 @@ struct Decode {
 
 struct Plan {
   std::vector<Task> tasks;
+  std::vector<Member> members;
   std::vector<Merge> merges;
-  int64_t parts = 0;       // partials needed by requests with several splits
-  int64_t max_splits = 1;  // the most splits of one request
+  int64_t parts = 0;        // partials needed by requests with several splits
+  int64_t max_splits = 1;   // the most splits of one request
+  int64_t max_members = 1;  // the most members of one task
 };
 
-Plan plan_decode(const int64_t* lens, int64_t bs) {
+// Splits of kSplitTokens keys per request; with `share_prefixes`, splits of several requests
+// that cover the same keys through the same slots become one task.
+Plan plan_decode(const int64_t* lens, int64_t bs, const int32_t* req_to_token, int64_t r2t_s0, const int64_t* rows,
+                 bool share_prefixes) {
+  struct Split {
+    int64_t begin, end, first_slot, b, part;
+  };
   Plan plan;
+  std::vector<Split> splits;
   for (int64_t b = 0; b < bs; ++b) {
     const int64_t len = lens[b];
-    const int64_t splits = (len + kSplitTokens - 1) / kSplitTokens;
-    plan.max_splits = std::max(plan.max_splits, splits);
-    const int64_t first = splits > 1 ? plan.parts : -1;
-    if (splits > 1) {
-      plan.merges.push_back({b, first, splits});
-      plan.parts += splits;
+    const int64_t count = (len + kSplitTokens - 1) / kSplitTokens;
+    plan.max_splits = std::max(plan.max_splits, count);
+    const int64_t first = count > 1 ? plan.parts : -1;
+    if (count > 1) {
+      plan.merges.push_back({b, first, count});
+      plan.parts += count;
     }
-    for (int64_t i = 0; i < splits; ++i) {
-      const int64_t end = std::min(len, (i + 1) * kSplitTokens);
-      plan.tasks.push_back({b, i * kSplitTokens, end, splits > 1 ? first + i : -1});
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t begin = i * kSplitTokens, end = std::min(len, begin + kSplitTokens);
+      splits.push_back({begin, end, req_to_token[rows[b] * r2t_s0 + begin], b, count > 1 ? first + i : -1});
     }
   }
+  if (share_prefixes) {
+    // Candidates for one task are next to each other: same keys, same first slot.
+    std::sort(splits.begin(), splits.end(), [](const Split& x, const Split& y) {
+      return std::tie(x.begin, x.end, x.first_slot, x.b) < std::tie(y.begin, y.end, y.first_slot, y.b);
+    });
+  }
+  std::vector<bool> taken(splits.size(), false);
+  for (size_t i = 0; i < splits.size(); ++i) {
+    if (taken[i]) continue;
+    const Split& lead = splits[i];
+    const int32_t* lead_slots = req_to_token + rows[lead.b] * r2t_s0 + lead.begin;
+    const size_t bytes = (lead.end - lead.begin) * sizeof(int32_t);
+    Task task{lead.begin, lead.end, static_cast<int64_t>(plan.members.size()), 0};
+    for (size_t j = i; j < splits.size(); ++j) {
+      const Split& other = splits[j];
+      if (j > i && (!share_prefixes || other.begin != lead.begin || other.end != lead.end ||
+                    other.first_slot != lead.first_slot)) {
+        break;
+      }
+      if (taken[j] || (j > i && std::memcmp(req_to_token + rows[other.b] * r2t_s0 + other.begin, lead_slots, bytes))) {
+        continue;
+      }
+      taken[j] = true;
+      plan.members.push_back({other.b, other.part});
+      ++task.count;
+    }
+    plan.max_members = std::max(plan.max_members, task.count);
+    plan.tasks.push_back(task);
+  }
+  // Largest first, so the last task to start is a small one (dynamic scheduling).
+  std::stable_sort(plan.tasks.begin(), plan.tasks.end(), [](const Task& x, const Task& y) {
+    return (x.end - x.begin) * x.count > (y.end - y.begin) * y.count;
+  });
   return plan;
 }
 
@@ -352,8 +384,8 @@ void run_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
   op.bad_slot = &bad_slot;
 
   srt_cpu::parallel_tasks<Scratch>(
-      static_cast<int64_t>(plan.tasks.size()), [&] { return Scratch(q.size(1), dim); },
-      [&](int64_t i, Scratch& s) { op.run(plan.tasks[i], s); });
+      static_cast<int64_t>(plan.tasks.size()), [&] { return Scratch(q.size(1), num_kv_heads, dim, plan.max_members); },
+      [&](int64_t i, Scratch& s) { op.run(plan.tasks[i], plan.members.data() + plan.tasks[i].first, s); });
   using MergeState = std::pair<std::vector<float>, std::vector<float>>;
   srt_cpu::parallel_tasks<MergeState>(
       static_cast<int64_t>(plan.merges.size()),
@@ -368,12 +400,13 @@ void run_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
 // of k_buffer / v_buffer [slots, kv_heads, head_dim]. Returns [batch, heads, head_dim] in q's dtype.
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
                                   const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
-                                  const at::Tensor& seq_lens, double scale) {
+                                  const at::Tensor& seq_lens, double scale, bool share_prefixes) {
   const at::Tensor rows = req_pool_indices.contiguous();
   const at::Tensor lens = seq_lens.contiguous();
   check_inputs(q, k_buffer, v_buffer, req_to_token, rows, lens);
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
-  const Plan plan = plan_decode(lens.data_ptr<int64_t>(), q.size(0));
+  const Plan plan = plan_decode(lens.data_ptr<int64_t>(), q.size(0), req_to_token.data_ptr<int32_t>(),
+                                req_to_token.stride(0), rows.data_ptr<int64_t>(), share_prefixes);
   const bool q_bf16 = q.scalar_type() == at::kBFloat16;
   const bool kv_bf16 = k_buffer.scalar_type() == at::kBFloat16;
   if (q_bf16 && kv_bf16) {
@@ -388,10 +421,32 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_buffe
   return out;
 }
 
+// The members of each task paged_decode_attention would run for this batch, largest task first:
+// what the tests and the benchmark read to see which splits are shared.
+at::Tensor paged_decode_task_members(const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
+                                     const at::Tensor& seq_lens, bool share_prefixes) {
+  const at::Tensor rows = req_pool_indices.contiguous();
+  const at::Tensor lens = seq_lens.contiguous();
+  const at::Tensor q_shape = at::empty({rows.size(0), 1, 1});
+  const at::Tensor kv_shape = at::empty({1, 1, 1});
+  check_inputs(q_shape, kv_shape, kv_shape, req_to_token, rows, lens);
+  const Plan plan = plan_decode(lens.data_ptr<int64_t>(), rows.size(0), req_to_token.data_ptr<int32_t>(),
+                                req_to_token.stride(0), rows.data_ptr<int64_t>(), share_prefixes);
+  at::Tensor counts = at::empty({static_cast<int64_t>(plan.tasks.size())}, rows.options());
+  for (size_t i = 0; i < plan.tasks.size(); ++i) counts.data_ptr<int64_t>()[i] = plan.tasks[i].count;
+  return counts;
+}
+
 TORCH_LIBRARY(srt_cpu, m) {
   m.def(
       "paged_decode_attention(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor req_to_token, "
-      "Tensor req_pool_indices, Tensor seq_lens, float scale) -> Tensor");
+      "Tensor req_pool_indices, Tensor seq_lens, float scale, bool share_prefixes=True) -> Tensor");
+  m.def(
+      "paged_decode_task_members(Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, "
+      "bool share_prefixes=True) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(srt_cpu, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+TORCH_LIBRARY_IMPL(srt_cpu, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_decode_task_members", &paged_decode_task_members);
+}

@@ -8,26 +8,6 @@
 
 namespace srt_cpu {
 
-typedef float vfloat4 __attribute__((vector_size(4 * sizeof(float))));
-
-// Lanes i and i + 4 of v added (after folding sixteen lanes to eight where vfloat has sixteen):
-// the first level of vsum's tree.
-inline vfloat4 fold4(vfloat v) {
-#if defined(__AVX512F__)
-  typedef float vfloat8 __attribute__((vector_size(8 * sizeof(float))));
-  vfloat8 lo8, hi8;
-  std::memcpy(&lo8, &v, sizeof(lo8));
-  std::memcpy(&hi8, reinterpret_cast<const char*>(&v) + sizeof(lo8), sizeof(hi8));
-  const vfloat8 e = lo8 + hi8;
-#else
-  const vfloat e = v;
-#endif
-  vfloat4 lo, hi;
-  std::memcpy(&lo, &e, sizeof(lo));
-  std::memcpy(&hi, reinterpret_cast<const char*>(&e) + sizeof(lo), sizeof(hi));
-  return lo + hi;
-}
-
 // {vsum(a0), vsum(a1), vsum(a2), vsum(a3)}, bit for bit, in vector adds and shuffles: the four
 // folded vectors are transposed so that lane c of column i is element i of a_c, and the columns
 // added as vsum adds the elements, ((0 + 1) + (2 + 3)).

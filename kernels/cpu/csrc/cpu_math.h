@@ -99,18 +99,30 @@ inline vfloat vexp(vfloat x) {
   return p * scale;
 }
 
-inline float vsum(vfloat v) {
-  // Halve with vector adds until eight lanes are left, then a tree over those.
+typedef float vfloat4 __attribute__((vector_size(4 * sizeof(float))));
+
+// Lanes i and i + 4 of v added (after folding sixteen lanes to eight where vfloat has sixteen):
+// the first level of vsum's tree, which vsum4 (attention_tiles.h) shares.
+inline vfloat4 fold4(vfloat v) {
 #if defined(__AVX512F__)
-  typedef float half_t __attribute__((vector_size(kLanes / 2 * sizeof(float))));
-  half_t lo, hi;
-  std::memcpy(&lo, &v, sizeof(lo));
-  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(lo), sizeof(hi));
-  const half_t e = lo + hi;
+  typedef float vfloat8 __attribute__((vector_size(8 * sizeof(float))));
+  vfloat8 lo8, hi8;
+  std::memcpy(&lo8, &v, sizeof(lo8));
+  std::memcpy(&hi8, reinterpret_cast<const char*>(&v) + sizeof(lo8), sizeof(hi8));
+  const vfloat8 e = lo8 + hi8;
 #else
   const vfloat e = v;
 #endif
-  return ((e[0] + e[4]) + (e[1] + e[5])) + ((e[2] + e[6]) + (e[3] + e[7]));
+  vfloat4 lo, hi;
+  std::memcpy(&lo, &e, sizeof(lo));
+  std::memcpy(&hi, reinterpret_cast<const char*>(&e) + sizeof(lo), sizeof(hi));
+  return lo + hi;
+}
+
+// The lanes' sum as a tree: ((e0 + e4) + (e1 + e5)) + ((e2 + e6) + (e3 + e7)).
+inline float vsum(vfloat v) {
+  const vfloat4 h = fold4(v);
+  return (h[0] + h[1]) + (h[2] + h[3]);
 }
 
 // Store kLanes floats as bf16, rounding to nearest even (NaN stays a quiet NaN), as c10 does.

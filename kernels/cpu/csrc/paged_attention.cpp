@@ -322,9 +322,30 @@ bool is_float_or_bf16(const at::Tensor& t) {
   return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16;
 }
 
+// The table half of the inputs: which rows of req_to_token, and how many of their slots, a batch
+// of `batch` requests reads.
+void check_table(const at::Tensor& req_to_token, const at::Tensor& rows, const at::Tensor& lens, int64_t batch) {
+  for (const at::Tensor* t : {&req_to_token, &rows, &lens}) {
+    TORCH_CHECK(t->device().is_cpu(), "paged_decode_attention takes CPU tensors only, got ", t->device());
+  }
+  TORCH_CHECK(req_to_token.scalar_type() == at::kInt && req_to_token.dim() == 2 && req_to_token.stride(1) == 1,
+              "req_to_token must be a 2-D int32 table with contiguous rows");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && lens.scalar_type() == at::kLong,
+              "req_pool_indices and seq_lens must be int64");
+  TORCH_CHECK(rows.dim() == 1 && lens.dim() == 1 && rows.size(0) == batch && lens.size(0) == batch,
+              "req_pool_indices and seq_lens must be [batch] with batch = ", batch);
+  const int64_t* r = rows.data_ptr<int64_t>();
+  const int64_t* n = lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(r[b] >= 0 && r[b] < req_to_token.size(0), "req_pool_indices[", b, "] = ", r[b], " is not a row");
+    TORCH_CHECK(n[b] >= 1 && n[b] <= req_to_token.size(1), "seq_lens[", b, "] = ", n[b], " outside [1, ",
+                req_to_token.size(1), "]");
+  }
+}
+
 void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& req_to_token,
                   const at::Tensor& rows, const at::Tensor& lens) {
-  for (const at::Tensor* t : {&q, &k, &v, &req_to_token, &rows, &lens}) {
+  for (const at::Tensor* t : {&q, &k, &v}) {
     TORCH_CHECK(t->device().is_cpu(), "paged_decode_attention takes CPU tensors only, got ", t->device());
   }
   TORCH_CHECK(q.dim() == 3, "q must be [batch, heads, head_dim], got ", q.sizes());
@@ -336,19 +357,7 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   TORCH_CHECK(is_float_or_bf16(q) && is_float_or_bf16(k), "q and KV must be float32 or bfloat16, got ",
               q.scalar_type(), " and ", k.scalar_type());
   TORCH_CHECK(k.scalar_type() == v.scalar_type(), "k_buffer and v_buffer dtypes differ");
-  TORCH_CHECK(req_to_token.scalar_type() == at::kInt && req_to_token.dim() == 2 && req_to_token.stride(1) == 1,
-              "req_to_token must be a 2-D int32 table with contiguous rows");
-  TORCH_CHECK(rows.scalar_type() == at::kLong && lens.scalar_type() == at::kLong,
-              "req_pool_indices and seq_lens must be int64");
-  TORCH_CHECK(rows.dim() == 1 && lens.dim() == 1 && rows.size(0) == q.size(0) && lens.size(0) == q.size(0),
-              "req_pool_indices and seq_lens must be [batch] with batch = ", q.size(0));
-  const int64_t* r = rows.data_ptr<int64_t>();
-  const int64_t* n = lens.data_ptr<int64_t>();
-  for (int64_t b = 0; b < q.size(0); ++b) {
-    TORCH_CHECK(r[b] >= 0 && r[b] < req_to_token.size(0), "req_pool_indices[", b, "] = ", r[b], " is not a row");
-    TORCH_CHECK(n[b] >= 1 && n[b] <= req_to_token.size(1), "seq_lens[", b, "] = ", n[b], " outside [1, ",
-                req_to_token.size(1), "]");
-  }
+  check_table(req_to_token, rows, lens, q.size(0));
 }
 
 template <typename q_t, typename kv_t>
@@ -427,9 +436,7 @@ at::Tensor paged_decode_task_members(const at::Tensor& req_to_token, const at::T
                                      const at::Tensor& seq_lens, bool share_prefixes) {
   const at::Tensor rows = req_pool_indices.contiguous();
   const at::Tensor lens = seq_lens.contiguous();
-  const at::Tensor q_shape = at::empty({rows.size(0), 1, 1});
-  const at::Tensor kv_shape = at::empty({1, 1, 1});
-  check_inputs(q_shape, kv_shape, kv_shape, req_to_token, rows, lens);
+  check_table(req_to_token, rows, lens, rows.size(0));
   const Plan plan = plan_decode(lens.data_ptr<int64_t>(), rows.size(0), req_to_token.data_ptr<int32_t>(),
                                 req_to_token.stride(0), rows.data_ptr<int64_t>(), share_prefixes);
   at::Tensor counts = at::empty({static_cast<int64_t>(plan.tasks.size())}, rows.options());

@@ -1,4 +1,4 @@
-"""Paged decode attention that reads the KV pool in place: when the C++ op serves a backend.
+"""Paged decode and extend attention that read the KV pool in place: when the C++ ops serve a backend.
 
 `torch.ops.srt_cpu.paged_decode_attention(q, k_buffer, v_buffer, req_to_token,
 req_pool_indices, seq_lens, scale, share_prefixes=True)`: q `[bs, heads, head_dim]` attends, per
@@ -6,7 +6,14 @@ request b, to the KV slots `req_to_token[req_pool_indices[b], :seq_lens[b]]`; re
 `[bs, heads, head_dim]`. With `share_prefixes`, requests whose rows hold the same slots over a
 split of keys (a prefix the radix cache shares) read those K/V rows once together; each request's
 result is bit for bit what it is alone.
-Slot indices make it page-size agnostic; fp32 or bf16 q and KV, fp32 accumulation.
+
+`torch.ops.srt_cpu.paged_extend_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices,
+prefix_lens, extend_lens, scale)`: q `[tokens, heads, head_dim]` holds each request's new tokens,
+requests back to back; token t of request b (position prefix_lens[b] + t) attends causally to the
+slots `req_to_token[req_pool_indices[b], :prefix_lens[b] + t + 1]`, its cached prefix and the new
+tokens up to itself, whose K/V are in the pool already. Returns `[tokens, heads, head_dim]`.
+
+Slot indices make both page-size agnostic; fp32 or bf16 q and KV, fp32 accumulation.
 """
 
 from __future__ import annotations
@@ -22,13 +29,20 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def paged_decode_op(device: "torch.device | str", q_dtype: torch.dtype, kv_dtype: torch.dtype) -> Optional[Callable]:
-    """The C++ op when it can serve this pool: a CPU device, q and KV storage in fp32 or bf16
-    (fp8 KV keeps the torch path), and the library builds here. Otherwise None."""
+    """The C++ decode op when it can serve this pool: a CPU device, q and KV storage in fp32 or
+    bf16 (fp8 KV keeps the torch path), and the library builds here. Otherwise None."""
+    return torch.ops.srt_cpu.paged_decode_attention if _serves(device, q_dtype, kv_dtype) else None
+
+
+def paged_extend_op(device: "torch.device | str", q_dtype: torch.dtype, kv_dtype: torch.dtype) -> Optional[Callable]:
+    """The C++ extend op, under the same conditions as `paged_decode_op`. Otherwise None."""
+    return torch.ops.srt_cpu.paged_extend_attention if _serves(device, q_dtype, kv_dtype) else None
+
+
+def _serves(device: "torch.device | str", q_dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
     if torch.device(device).type != "cpu" or q_dtype not in SUPPORTED_DTYPES or kv_dtype not in SUPPORTED_DTYPES:
-        return None
-    if not _load():
-        return None
-    return torch.ops.srt_cpu.paged_decode_attention
+        return False
+    return _load()
 
 
 @functools.lru_cache(maxsize=None)
@@ -37,9 +51,15 @@ def _load() -> bool:
         return False
     # Shapes for torch.compile's tracing (the CPU decode may run under a compiled forward).
     torch.library.register_fake("srt_cpu::paged_decode_attention", _paged_decode_attention_fake)
+    torch.library.register_fake("srt_cpu::paged_extend_attention", _paged_extend_attention_fake)
     return True
 
 
 def _paged_decode_attention_fake(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, scale,
                                  share_prefixes=True):
+    return q.new_empty(q.shape)
+
+
+def _paged_extend_attention_fake(q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, extend_lens,
+                                 scale):
     return q.new_empty(q.shape)

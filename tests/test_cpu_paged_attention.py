@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
@@ -16,9 +15,10 @@ from kernels.attention import torch_native_backend
 from kernels.attention.torch_native_backend import TorchNativeAttnBackend
 from kernels.cpu import build
 from kernels.cpu.paged_attention import paged_decode_op
-from mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
-from mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from mem_cache.memory_pool import MHATokenToKVPool
 from srt.model_executor.forward_batch_info import ForwardBatch
+
+from paged_attention_utils import Layer, Layout, make_backend_runner, make_layout
 
 F32, BF16 = torch.float32, torch.bfloat16
 LENGTHS = {
@@ -34,48 +34,6 @@ def op():
     fn = paged_decode_op("cpu", F32, F32)
     assert fn is not None, "the C++ CPU kernels did not build here (see the warning logged above)"
     return fn
-
-
-@dataclass
-class Layout:
-    """A pool whose requests own shuffled pages of `page_size` consecutive slots."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    req_to_token: torch.Tensor
-    rows: torch.Tensor
-    seq_lens: torch.Tensor
-
-    def slots(self, b: int) -> torch.Tensor:
-        return self.req_to_token[self.rows[b], : self.seq_lens[b]].long()
-
-
-def make_layout(seq_lens, page_size, kv_heads, dim, dtype=F32, seed=0) -> Layout:
-    """Pages in random order, rows of `req_to_token` in random order, and every entry past a
-    request's length pointing at a NaN-filled page: a read past seq_len poisons the output."""
-    g = torch.Generator().manual_seed(seed)
-    pages = [math.ceil(n / page_size) for n in seq_lens]
-    used = sum(pages)
-    total = used + 2  # two NaN pages for the stale entries
-    k = torch.randn((total + 1) * page_size, kv_heads, dim, generator=g)
-    v = torch.randn((total + 1) * page_size, kv_heads, dim, generator=g)
-    k[:page_size] = v[:page_size] = 0  # page 0: the dummy
-    order = torch.randperm(total, generator=g) + 1
-    nan_pages = order[used:]
-    for p in nan_pages.tolist():
-        k[p * page_size : (p + 1) * page_size] = v[p * page_size : (p + 1) * page_size] = float("nan")
-    width = max(seq_lens) + 2 * page_size
-    stale = (nan_pages[:, None] * page_size + torch.arange(page_size)).flatten().int()
-    table = torch.zeros(len(seq_lens) + 3, width, dtype=torch.int32)
-    rows = torch.randperm(len(seq_lens) + 3, generator=g)[: len(seq_lens)]
-    start = 0
-    for row, n, count in zip(rows.tolist(), seq_lens, pages):
-        own = order[start : start + count]
-        start += count
-        slots = (own[:, None] * page_size + torch.arange(page_size)).flatten()[:n]
-        table[row, :n] = slots.int()
-        table[row, n:] = stale.repeat(math.ceil((width - n) / len(stale)))[: width - n]
-    return Layout(k.to(dtype), v.to(dtype), table, rows, torch.tensor(seq_lens))
 
 
 def dense_attention(q: torch.Tensor, layout: Layout, scale: float) -> torch.Tensor:
@@ -221,27 +179,6 @@ def test_the_op_traces_under_torch_compile(op):
 # ---------------------------------------------------------------- backend level
 
 
-@dataclass
-class Layer:
-    layer_id: int
-    tp_q_head_num: int
-    tp_k_head_num: int
-    head_dim: int
-    scaling: float
-
-
-def _runner(page_size, kv_heads, head_dim, dtype, backend, size=4096):
-    alloc = TokenToKVPoolAllocator(size) if page_size == 1 else PagedTokenToKVPoolAllocator(size, page_size)
-    if page_size == 1:  # scattered, non-contiguous slots
-        alloc.free_slots = alloc.free_slots[torch.randperm(len(alloc.free_slots))]
-    else:
-        alloc.free_pages = alloc.free_pages[torch.randperm(len(alloc.free_pages))]
-    pool = MHATokenToKVPool(size, page_size, dtype, dtype, kv_heads, head_dim, 1)
-    runner = SimpleNamespace(device="cpu", req_to_token_pool=ReqToTokenPool(8, 1024), token_to_kv_pool=pool,
-                             attn_backend=backend)
-    return alloc, runner
-
-
 def _decode_steps(runner, alloc, layer, prompt_lens, steps, seed):
     """Extend `prompt_lens`, then `steps` decodes; returns every decode step's output."""
     gen = torch.Generator().manual_seed(seed)
@@ -282,7 +219,7 @@ def test_backend_decode_with_the_op_matches_the_torch_path(op, page_size, dtype)
     results = {}
     for name, backend in (("torch", TorchNativeAttnBackend()), ("op", TorchNativeAttnBackend("cpu", dtype, dtype))):
         torch.manual_seed(0)  # the same allocator shuffle on both sides
-        alloc, runner = _runner(page_size, 2, 32, dtype, backend)
+        alloc, runner = make_backend_runner(page_size, 2, 32, dtype, backend)
         results[name] = _decode_steps(runner, alloc, layer, lens, steps=3, seed=1)
         assert backend.use_paged_decode == (name == "op")
     tol = 1e-5 if dtype == F32 else 1e-2
@@ -295,7 +232,7 @@ def test_backend_keeps_the_torch_path_when_the_op_is_unavailable(monkeypatch):
     backend = TorchNativeAttnBackend("cpu", F32, F32)
     assert backend.paged_decode is None
     layer = Layer(0, 4, 2, 16, 0.25)
-    alloc, runner = _runner(1, 2, 16, F32, backend)
+    alloc, runner = make_backend_runner(1, 2, 16, F32, backend)
     outs = _decode_steps(runner, alloc, layer, [4, 9], steps=1, seed=2)
     assert not backend.use_paged_decode and torch.isfinite(outs[0]).all()
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention.base_attn_backend import AttentionBackend
-from kernels.cpu.paged_attention import paged_decode_op
+from kernels.cpu.paged_attention import paged_decode_op, paged_extend_op
 
 if TYPE_CHECKING:
     from srt.layers.radix_attention import RadixAttention
@@ -18,18 +18,20 @@ if TYPE_CHECKING:
 class TorchNativeAttnBackend(AttentionBackend):
     """Gathers each request's K/V through `req_to_token` and runs SDPA.
 
-    Extend runs per request (a causal mask aligned to the cached prefix). Decode on the CPU reads
-    the pool in place with the C++ op of `kernels/cpu` when it serves the pool's dtypes and builds
-    here; otherwise (CUDA, fp8 KV, no compiler, the CUDA-graph hooks) it runs as one padded batch
-    whose gather indices and key mask are built once per step.
+    On the CPU, extend and decode read the pool in place with the C++ ops of `kernels/cpu` when
+    they serve the pool's dtypes and build here. Otherwise (CUDA, fp8 KV, no compiler) extend runs
+    per request (a causal mask aligned to the cached prefix) and decode as one padded batch whose
+    gather indices and key mask are built once per step (also under the CUDA-graph hooks).
     """
 
     def __init__(self, device: "torch.device | str" = "cpu", q_dtype: Optional[torch.dtype] = None,
                  kv_dtype: Optional[torch.dtype] = None):
-        """`q_dtype` and `kv_dtype` (the model's and the KV storage's) let decode use the C++ op;
-        without them decode keeps the torch path (the oracle that tests compare against)."""
+        """`q_dtype` and `kv_dtype` (the model's and the KV storage's) let extend and decode use
+        the C++ ops; without them both keep the torch path (the oracle that tests compare against)."""
         self._graph_device = device
         self.paged_decode = None if kv_dtype is None else paged_decode_op(device, q_dtype or kv_dtype, kv_dtype)
+        self.paged_extend = None if kv_dtype is None else paged_extend_op(device, q_dtype or kv_dtype, kv_dtype)
+        self.extend_lens: Optional[tuple] = None  # this step's (prefix_lens, extend_lens) for the C++ op
         self.use_paged_decode = False  # this step's decode: the C++ op (False under the graph hooks)
         self.decode_indices: Optional[torch.Tensor] = None
         self.decode_mask: Optional[torch.Tensor] = None
@@ -78,6 +80,11 @@ class TorchNativeAttnBackend(AttentionBackend):
                 self.decode_mask = valid[:, None, None, :]
             self.decode_indices = idx
             return
+        if self.paged_extend is not None:
+            # Host int64 tensors, built once per step: the op reads req_to_token through them.
+            self.extend_lens = (torch.tensor(fb.extend_prefix_lens_cpu, dtype=torch.int64),
+                                torch.tensor(fb.extend_seq_lens_cpu, dtype=torch.int64))
+            return
         rows = []
         rows_idx = fb.req_pool_indices_cpu
         for row, prefix, ext in zip(rows_idx, fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu):
@@ -97,6 +104,11 @@ class TorchNativeAttnBackend(AttentionBackend):
         v_buf = pool.get_value_buffer(layer.layer_id)
         H, D = layer.tp_q_head_num, layer.head_dim
         q = q.reshape(-1, H, D)
+        if self.paged_extend is not None:
+            prefix_lens, extend_lens = self.extend_lens
+            o = self.paged_extend(q, k_buf, v_buf, fb.req_to_token_pool.req_to_token, fb.req_pool_indices,
+                                  prefix_lens, extend_lens, layer.scaling)
+            return o.view(-1, H * D)
         out = torch.empty_like(q)
         start = 0
         for slots, mask, ext in self.extend_rows:

@@ -1,70 +1,158 @@
-// Register tiles of the CPU decode attention (paged_attention.cpp): scores of up to three query
-// rows against four keys, and the probability-weighted sum of value rows into two query rows'
-// outputs. Every (query row, key) dot product and every output element is computed in the same
-// order whatever the tile it falls in, so a row's result never depends on the rows beside it.
+// Register tiles of the CPU decode and extend attention (paged_attention.cpp,
+// extend_attention.cpp): a block of keys transposed so that keys are lanes, query rows scored
+// against it, and the probability-weighted sum of value rows into the query rows' outputs. Every
+// (query row, key) score and every output element is computed in the same order whatever the
+// tile it falls in, so a row's result never depends on the rows beside it.
 #pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
 
 #include "cpu_math.h"
 
 namespace srt_cpu {
 
-// {vsum(a0), vsum(a1), vsum(a2), vsum(a3)}, bit for bit, in vector adds and shuffles: the four
-// folded vectors are transposed so that lane c of column i is element i of a_c, and the columns
-// added as vsum adds the elements, ((0 + 1) + (2 + 3)).
-inline vfloat4 vsum4(vfloat a0, vfloat a1, vfloat a2, vfloat a3) {
-  const vfloat4 h0 = fold4(a0), h1 = fold4(a1), h2 = fold4(a2), h3 = fold4(a3);
-  const vfloat4 lo01 = __builtin_shufflevector(h0, h1, 0, 4, 1, 5);  // h0[0] h1[0] h0[1] h1[1]
-  const vfloat4 hi01 = __builtin_shufflevector(h0, h1, 2, 6, 3, 7);  // h0[2] h1[2] h0[3] h1[3]
-  const vfloat4 lo23 = __builtin_shufflevector(h2, h3, 0, 4, 1, 5);
-  const vfloat4 hi23 = __builtin_shufflevector(h2, h3, 2, 6, 3, 7);
-  const vfloat4 c0 = __builtin_shufflevector(lo01, lo23, 0, 1, 4, 5);  // element 0 of each
-  const vfloat4 c1 = __builtin_shufflevector(lo01, lo23, 2, 3, 6, 7);
-  const vfloat4 c2 = __builtin_shufflevector(hi01, hi23, 0, 1, 4, 5);
-  const vfloat4 c3 = __builtin_shufflevector(hi01, hi23, 2, 3, 6, 7);
-  return (c0 + c1) + (c2 + c3);
+// Keys scored together before one rescale of the running outputs (both ops).
+constexpr int64_t kBlockTokens = 32;
+constexpr int64_t kKeyVectors = kBlockTokens / kLanes;
+static_assert(kBlockTokens % kLanes == 0 && kBlockTokens % 8 == 0, "a block's scores are whole vectors");
+
+typedef float v8 __attribute__((vector_size(8 * sizeof(float))));
+
+inline v8 load8(const float* p) {
+  v8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
 }
 
-// out[r][j + c] = q[r] . k[c] for R query rows and C keys (C = 4, or 1 for the last keys of a
-// block). R x C accumulators: independent FMA chains, each key vector loaded once per R rows.
+inline v8 load8(const c10::BFloat16* p) {
+  typedef uint16_t h8 __attribute__((vector_size(8 * sizeof(uint16_t))));
+  typedef uint32_t u8 __attribute__((vector_size(8 * sizeof(uint32_t))));
+  h8 bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  const u8 wide = __builtin_convertvector(bits, u8) << 16;  // bf16 is the upper half of an fp32
+  v8 v;
+  std::memcpy(&v, &wide, sizeof(v));
+  return v;
+}
+
+// Elements [d, d + 8) of eight key rows, transposed: out[i * kBlockTokens + c] = src[c][d + i].
+template <typename kv_t>
+inline void transpose8(const kv_t* const* src, int64_t d, float* out) {
+  v8 r[8];
+  for (int i = 0; i < 8; ++i) r[i] = load8(src[i] + d);
+  v8 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = __builtin_shufflevector(r[2 * i], r[2 * i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+    t[2 * i + 1] = __builtin_shufflevector(r[2 * i], r[2 * i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+  }
+  for (int i = 0; i < 2; ++i) {
+    const v8 &lo0 = t[4 * i], &hi0 = t[4 * i + 1], &lo1 = t[4 * i + 2], &hi1 = t[4 * i + 3];
+    u[4 * i] = __builtin_shufflevector(lo0, lo1, 0, 1, 8, 9, 4, 5, 12, 13);
+    u[4 * i + 1] = __builtin_shufflevector(lo0, lo1, 2, 3, 10, 11, 6, 7, 14, 15);
+    u[4 * i + 2] = __builtin_shufflevector(hi0, hi1, 0, 1, 8, 9, 4, 5, 12, 13);
+    u[4 * i + 3] = __builtin_shufflevector(hi0, hi1, 2, 3, 10, 11, 6, 7, 14, 15);
+  }
+  for (int e = 0; e < 4; ++e) {
+    const v8 low = __builtin_shufflevector(u[e], u[4 + e], 0, 1, 2, 3, 8, 9, 10, 11);
+    const v8 high = __builtin_shufflevector(u[e], u[4 + e], 4, 5, 6, 7, 12, 13, 14, 15);
+    std::memcpy(out + e * kBlockTokens, &low, sizeof(low));
+    std::memcpy(out + (e + 4) * kBlockTokens, &high, sizeof(high));
+  }
+}
+
+// The block's n key rows (one kv head each) transposed into kt [dim][kBlockTokens], fp32, zero
+// past the n keys: a key is then a lane, and scoring needs no horizontal sums.
+template <typename kv_t>
+inline void transpose_keys(const kv_t* const* keys, int64_t n, int64_t dim, float* kt) {
+  const int64_t whole_keys = n / 8 * 8, whole_dims = dim / 8 * 8;
+  for (int64_t j = 0; j < whole_keys; j += 8) {
+    for (int64_t d = 0; d < whole_dims; d += 8) transpose8(keys + j, d, kt + d * kBlockTokens + j);
+    for (int64_t d = whole_dims; d < dim; ++d)
+      for (int i = 0; i < 8; ++i) kt[d * kBlockTokens + j + i] = to_float(keys[j + i][d]);
+  }
+  for (int64_t j = whole_keys; j < n; ++j)
+    for (int64_t d = 0; d < dim; ++d) kt[d * kBlockTokens + j] = to_float(keys[j][d]);
+  if (n < kBlockTokens) {
+    for (int64_t d = 0; d < dim; ++d) std::fill(kt + d * kBlockTokens + n, kt + (d + 1) * kBlockTokens, 0.0f);
+  }
+}
+
+// out[r][c0 * kLanes, (c0 + C) * kLanes) = q[r] . kt[:, j] for R query rows: R x C accumulators
+// stay in registers over the head dim; each step loads C key vectors and broadcasts R query
+// elements. Every score is one FMA chain over d = 0, 1, ..., so it has the same bits in every
+// tile shape: a row's result never depends on the rows beside it.
 template <int R, int C>
-inline void score_tile(const float* const* q, const float* const* k, float* const* out, int64_t j, int64_t dim) {
+inline void score_tile(const float* const* q, const float* kt, float* const* out, int64_t c0, int64_t dim) {
   vfloat acc[R][C] = {};
-  const int64_t vec_dim = dim / kLanes * kLanes;
-  for (int64_t d = 0; d < vec_dim; d += kLanes) {
-    vfloat qv[R];
-    for (int r = 0; r < R; ++r) qv[r] = vload(q[r] + d);
-    for (int c = 0; c < C; ++c) {
-      const vfloat kv = vload(k[c] + d);
-      for (int r = 0; r < R; ++r) acc[r][c] += qv[r] * kv;
+  for (int64_t d = 0; d < dim; ++d) {
+    vfloat kv[C];
+    for (int c = 0; c < C; ++c) kv[c] = vload(kt + d * kBlockTokens + (c0 + c) * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const vfloat qd = vbroadcast(q[r][d]);
+      for (int c = 0; c < C; ++c) acc[r][c] += qd * kv[c];
     }
   }
-  for (int r = 0; r < R; ++r) {
-    float dots[C];
-    if constexpr (C == 4) {
-      const vfloat4 s = vsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
-      std::memcpy(dots, &s, sizeof(dots));
-    } else {
-      for (int c = 0; c < C; ++c) dots[c] = vsum(acc[r][c]);
-    }
-    for (int c = 0; c < C; ++c) {
-      for (int64_t d = vec_dim; d < dim; ++d) dots[c] += q[r][d] * k[c][d];
-      out[r][j + c] = dots[c];
-    }
-  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) vstore(out[r] + (c0 + c) * kLanes, acc[r][c]);
 }
 
-// Scores of `rows` query rows against keys [0, n), three rows and four keys at a time.
-inline void score_rows(const float* const* q, const float* const* k, float* const* out, int64_t rows, int64_t n,
-                       int64_t dim) {
+// Scores of `rows` query rows against a transposed block (all kBlockTokens lanes; lanes past
+// the block's keys score 0): 6 rows x 2 key vectors (12 accumulators, the shape of an AVX2 GEMM
+// micro-kernel), the rows left over 3 or fewer at a time against every key vector.
+inline void score_rows(const float* const* q, const float* kt, float* const* out, int64_t rows, int64_t dim) {
+  constexpr int C = kKeyVectors >= 2 ? 2 : 1;
+  static_assert(kKeyVectors % C == 0, "whole tiles of key vectors");
   int64_t r = 0;
-  auto keys = [&](auto tile4, auto tile1) {
-    int64_t j = 0;
-    for (; j + 4 <= n; j += 4) tile4(q + r, k + j, out + r, j, dim);
-    for (; j < n; ++j) tile1(q + r, k + j, out + r, j, dim);
+  for (; r + 6 <= rows; r += 6)
+    for (int64_t c0 = 0; c0 < kKeyVectors; c0 += C) score_tile<6, C>(q + r, kt, out + r, c0, dim);
+  constexpr int All = kKeyVectors > 4 ? 4 : static_cast<int>(kKeyVectors);
+  auto rest = [&](auto tile, int64_t height) {
+    for (int64_t c0 = 0; c0 < kKeyVectors; c0 += All) tile(q + r, kt, out + r, c0, dim);
+    r += height;
   };
-  for (; r + 3 <= rows; r += 3) keys(score_tile<3, 4>, score_tile<3, 1>);
-  for (; r + 2 <= rows; r += 2) keys(score_tile<2, 4>, score_tile<2, 1>);
-  for (; r < rows; ++r) keys(score_tile<1, 4>, score_tile<1, 1>);
+  if (rows - r >= 3) rest(score_tile<3, All>, 3);
+  if (rows - r == 2) rest(score_tile<2, All>, 2);
+  if (rows - r == 1) rest(score_tile<1, All>, 1);
+}
+
+// Online softmax of one row over a block whose first `limit` keys it may see: fold them into
+// the running max and sum, rescale the running output, leave the probabilities in the scores
+// (zero for the keys it may not see).
+inline void softmax_block(float* sc, float* acc, float& row_max, float& row_sum, int64_t limit, int64_t dim) {
+  const float minus_inf = -std::numeric_limits<float>::infinity();
+  if (limit < kBlockTokens) std::fill(sc + limit, sc + kBlockTokens, minus_inf);
+  vfloat top = vload(sc);
+  for (int64_t c = 1; c < kKeyVectors; ++c) {
+    const vfloat x = vload(sc + c * kLanes);
+    top = x > top ? x : top;
+  }
+  float block_max = top[0];
+  for (int64_t l = 1; l < kLanes; ++l) block_max = std::max(block_max, top[l]);
+  const float new_max = std::max(row_max, block_max);
+  const float alpha = std::exp(row_max - new_max);  // 0 on the first block (max is -inf)
+  const vfloat shift = vbroadcast(new_max);
+  vfloat total{};
+  for (int64_t c = 0; c < kKeyVectors; ++c) {
+    vfloat p = vexp(vload(sc + c * kLanes) - shift);
+    if (c * kLanes + kLanes > limit) {
+      // vexp clamps its input, so a key the row may not see gets e^-87, not 0: zero it.
+      for (int64_t l = std::max<int64_t>(0, limit - c * kLanes); l < kLanes; ++l) p[l] = 0.0f;
+    }
+    vstore(sc + c * kLanes, p);
+    total += p;
+  }
+  row_sum = row_sum * alpha + vsum(total);
+  row_max = new_max;
+  if (alpha != 1.0f) {
+    const vfloat a = vbroadcast(alpha);
+    int64_t d = 0;
+    for (; d + kLanes <= dim; d += kLanes) vstore(acc + d, vload(acc + d) * a);
+    for (; d < dim; ++d) acc[d] *= alpha;
+  }
 }
 
 // acc[r][d0, d0 + V * kLanes) += sum_j p[r][j] * v[j][...] for R rows: R x V accumulators kept

@@ -21,6 +21,8 @@
 
 namespace {
 
+using srt_cpu::kBlockTokens;
+using srt_cpu::kKeyVectors;
 using srt_cpu::kLanes;
 using srt_cpu::vfloat;
 using srt_cpu::vload;
@@ -29,11 +31,6 @@ using srt_cpu::vstore;
 // New tokens per task: few enough that one request's 64-token question still spreads over the
 // threads, enough that a transposed K block serves many query rows.
 constexpr int64_t kQueryTokens = 64;
-// Keys scored together before one rescale of the running outputs.
-constexpr int64_t kBlockTokens = 32;
-constexpr int64_t kKeyVectors = kBlockTokens / kLanes;
-static_assert(kBlockTokens % kLanes == 0, "a block's scores are whole vectors");
-
 // Request b's new tokens [t0, t1).
 struct Task {
   int64_t b, t0, t1;
@@ -42,90 +39,19 @@ struct Task {
 // Per-worker state: the task's queries (scaled, fp32, [tokens][heads][dim]), running outputs,
 // maxima, sums and one block's scores per query row; one kv head's K block transposed
 // ([dim][kBlockTokens], zero past the block's keys); the block's V rows of that head.
+template <typename kv_t>
 struct Scratch {
   std::vector<float> q, acc, max, sum, score, kt, v_tile;
   std::vector<int64_t> slot;
   std::vector<const float*> q_rows, v_rows;
+  std::vector<const kv_t*> k_rows;
   std::vector<float*> score_rows, acc_rows;
   Scratch(int64_t heads, int64_t dim)
       : q(kQueryTokens * heads * dim), acc(kQueryTokens * heads * dim), max(kQueryTokens * heads),
         sum(kQueryTokens * heads), score(kQueryTokens * heads * kBlockTokens), kt(dim * kBlockTokens),
-        v_tile(kBlockTokens * dim), slot(kBlockTokens), q_rows(kQueryTokens * heads), v_rows(kBlockTokens),
+        v_tile(kBlockTokens * dim), slot(kBlockTokens), q_rows(kQueryTokens * heads), v_rows(kBlockTokens), k_rows(kBlockTokens),
         score_rows(kQueryTokens * heads), acc_rows(kQueryTokens * heads) {}
 };
-
-// out[r][c0 * kLanes, (c0 + C) * kLanes) = q[r] . kt[:, j] for R query rows: the keys of a block
-// are the lanes (K transposed), so every FMA is a full vector and no horizontal sum is needed.
-// R x C accumulators stay in registers over the head dim; each step loads C key vectors and
-// broadcasts R query elements (6 x 2: 12 accumulators, the shape of an AVX2 GEMM micro-kernel).
-template <int R, int C>
-inline void score_tile(const float* const* q, const float* kt, float* const* out, int64_t c0, int64_t dim) {
-  vfloat acc[R][C] = {};
-  for (int64_t d = 0; d < dim; ++d) {
-    vfloat kv[C];
-    for (int c = 0; c < C; ++c) kv[c] = vload(kt + d * kBlockTokens + (c0 + c) * kLanes);
-    for (int r = 0; r < R; ++r) {
-      const vfloat qd = srt_cpu::vbroadcast(q[r][d]);
-      for (int c = 0; c < C; ++c) acc[r][c] += qd * kv[c];
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) vstore(out[r] + (c0 + c) * kLanes, acc[r][c]);
-}
-
-inline void score_rows(const float* const* q, const float* kt, float* const* out, int64_t rows, int64_t dim) {
-  constexpr int C = kKeyVectors >= 2 ? 2 : 1;
-  static_assert(kKeyVectors % C == 0, "whole tiles of key vectors");
-  for (int64_t c0 = 0; c0 < kKeyVectors; c0 += C) {
-    int64_t r = 0;
-    for (; r + 6 <= rows; r += 6) score_tile<6, C>(q + r, kt, out + r, c0, dim);
-    for (; r < rows; ++r) score_tile<1, C>(q + r, kt, out + r, c0, dim);
-  }
-}
-
-typedef float v8 __attribute__((vector_size(8 * sizeof(float))));
-
-inline v8 load8(const float* p) {
-  v8 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline v8 load8(const c10::BFloat16* p) {
-  typedef uint16_t h8 __attribute__((vector_size(8 * sizeof(uint16_t))));
-  typedef uint32_t u8 __attribute__((vector_size(8 * sizeof(uint32_t))));
-  h8 bits;
-  std::memcpy(&bits, p, sizeof(bits));
-  const u8 wide = __builtin_convertvector(bits, u8) << 16;  // bf16 is the upper half of an fp32
-  v8 v;
-  std::memcpy(&v, &wide, sizeof(v));
-  return v;
-}
-
-// Elements [d, d + 8) of eight key rows, transposed: out[i * kBlockTokens + c] = src[c][d + i].
-template <typename kv_t>
-inline void transpose8(const kv_t* const* src, int64_t d, float* out) {
-  v8 r[8];
-  for (int i = 0; i < 8; ++i) r[i] = load8(src[i] + d);
-  v8 t[8], u[8];
-  for (int i = 0; i < 4; ++i) {
-    t[2 * i] = __builtin_shufflevector(r[2 * i], r[2 * i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
-    t[2 * i + 1] = __builtin_shufflevector(r[2 * i], r[2 * i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
-  }
-  for (int i = 0; i < 2; ++i) {
-    const v8 &lo0 = t[4 * i], &hi0 = t[4 * i + 1], &lo1 = t[4 * i + 2], &hi1 = t[4 * i + 3];
-    u[4 * i] = __builtin_shufflevector(lo0, lo1, 0, 1, 8, 9, 4, 5, 12, 13);
-    u[4 * i + 1] = __builtin_shufflevector(lo0, lo1, 2, 3, 10, 11, 6, 7, 14, 15);
-    u[4 * i + 2] = __builtin_shufflevector(hi0, hi1, 0, 1, 8, 9, 4, 5, 12, 13);
-    u[4 * i + 3] = __builtin_shufflevector(hi0, hi1, 2, 3, 10, 11, 6, 7, 14, 15);
-  }
-  for (int e = 0; e < 4; ++e) {
-    const v8 low = __builtin_shufflevector(u[e], u[4 + e], 0, 1, 2, 3, 8, 9, 10, 11);
-    const v8 high = __builtin_shufflevector(u[e], u[4 + e], 4, 5, 6, 7, 12, 13, 14, 15);
-    std::memcpy(out + e * kBlockTokens, &low, sizeof(low));
-    std::memcpy(out + (e + 4) * kBlockTokens, &high, sizeof(high));
-  }
-}
 
 template <typename q_t, typename kv_t>
 struct Extend {
@@ -144,7 +70,7 @@ struct Extend {
 
   int64_t heads() const { return num_kv_heads * group; }
 
-  void load_q(const Task& t, Scratch& s) const {
+  void load_q(const Task& t, Scratch<kv_t>& s) const {
     const int64_t n = (t.t1 - t.t0) * heads();
     for (int64_t i = 0; i < n; ++i) {
       const int64_t token = start[t.b] + t.t0 + i / heads(), h = i % heads();
@@ -157,7 +83,7 @@ struct Extend {
     std::fill(s.sum.begin(), s.sum.begin() + n, 0.0f);
   }
 
-  void lookup_slots(const int32_t* slots, int64_t first, int64_t n, Scratch& s) const {
+  void lookup_slots(const int32_t* slots, int64_t first, int64_t n, Scratch<kv_t>& s) const {
     for (int64_t j = 0; j < n; ++j) {
       int64_t slot = slots[first + j];
       if (slot < 0 || slot >= num_slots) {
@@ -170,23 +96,9 @@ struct Extend {
 
   // kv head h's K rows of the block, transposed into s.kt (keys past n are zero), and its V rows:
   // pointers into the pool for fp32, widened into s.v_tile for bf16.
-  void load_block(int64_t h, int64_t n, Scratch& s) const {
-    float* kt = s.kt.data();
-    const int64_t whole_keys = n / 8 * 8, whole_dims = dim / 8 * 8;
-    for (int64_t j = 0; j < whole_keys; j += 8) {
-      const kv_t* src[8];
-      for (int i = 0; i < 8; ++i) src[i] = k + s.slot[j + i] * k_s0 + h * k_s1;
-      for (int64_t d = 0; d < whole_dims; d += 8) transpose8(src, d, kt + d * kBlockTokens + j);
-      for (int64_t d = whole_dims; d < dim; ++d)
-        for (int i = 0; i < 8; ++i) kt[d * kBlockTokens + j + i] = srt_cpu::to_float(src[i][d]);
-    }
-    for (int64_t j = whole_keys; j < n; ++j) {
-      const kv_t* src = k + s.slot[j] * k_s0 + h * k_s1;
-      for (int64_t d = 0; d < dim; ++d) kt[d * kBlockTokens + j] = srt_cpu::to_float(src[d]);
-    }
-    if (n < kBlockTokens) {
-      for (int64_t d = 0; d < dim; ++d) std::fill(kt + d * kBlockTokens + n, kt + (d + 1) * kBlockTokens, 0.0f);
-    }
+  void load_block(int64_t h, int64_t n, Scratch<kv_t>& s) const {
+    for (int64_t j = 0; j < n; ++j) s.k_rows[j] = k + s.slot[j] * k_s0 + h * k_s1;
+    srt_cpu::transpose_keys(s.k_rows.data(), n, dim, s.kt.data());
     for (int64_t j = 0; j < n; ++j) {
       const kv_t* src = v + s.slot[j] * v_s0 + h * v_s1;
       if constexpr (std::is_same_v<kv_t, float>) {
@@ -200,7 +112,7 @@ struct Extend {
 
   // Query rows of kv head h from token `first` of the task on: row r is token first + r / group,
   // head h * group + r % group.
-  int64_t point_rows(int64_t h, int64_t first, int64_t tokens, Scratch& s) const {
+  int64_t point_rows(int64_t h, int64_t first, int64_t tokens, Scratch<kv_t>& s) const {
     int64_t r = 0;
     for (int64_t t = first; t < tokens; ++t) {
       for (int64_t g = 0; g < group; ++g, ++r) {
@@ -213,7 +125,7 @@ struct Extend {
     return r;
   }
 
-  void run(const Task& t, Scratch& s) const {
+  void run(const Task& t, Scratch<kv_t>& s) const {
     load_q(t, s);
     const int64_t tokens = t.t1 - t.t0;
     const int64_t first_pos = prefix[t.b] + t.t0;  // position of the task's first token
@@ -227,12 +139,12 @@ struct Extend {
       for (int64_t h = 0; h < num_kv_heads; ++h) {
         load_block(h, n, s);
         const int64_t count = point_rows(h, active, tokens, s);
-        score_rows(s.q_rows.data(), s.kt.data(), s.score_rows.data(), count, dim);
+        srt_cpu::score_rows(s.q_rows.data(), s.kt.data(), s.score_rows.data(), count, dim);
         for (int64_t r = 0; r < count; ++r) {
           const int64_t token = active + r / group;
           const int64_t limit = std::min(n, first_pos + token + 1 - begin);
           const int64_t i = token * heads() + h * group + r % group;
-          softmax_row(s.score_rows[r], s.acc_rows[r], s.max[i], s.sum[i], limit);
+          srt_cpu::softmax_block(s.score_rows[r], s.acc_rows[r], s.max[i], s.sum[i], limit, dim);
         }
         srt_cpu::value_rows(s.score_rows.data(), s.v_rows.data(), s.acc_rows.data(), count, n, dim);
       }
@@ -240,43 +152,7 @@ struct Extend {
     finish(t, s);
   }
 
-  // Online softmax of one row over a block whose first `limit` keys it may see: fold them into
-  // the running max and sum, rescale the running output, leave the probabilities in the scores
-  // (zero for the keys it may not see).
-  void softmax_row(float* sc, float* acc, float& row_max, float& row_sum, int64_t limit) const {
-    const float minus_inf = -std::numeric_limits<float>::infinity();
-    if (limit < kBlockTokens) std::fill(sc + limit, sc + kBlockTokens, minus_inf);
-    vfloat top = vload(sc);
-    for (int64_t c = 1; c < kKeyVectors; ++c) {
-      const vfloat x = vload(sc + c * kLanes);
-      top = x > top ? x : top;
-    }
-    float block_max = top[0];
-    for (int64_t l = 1; l < kLanes; ++l) block_max = std::max(block_max, top[l]);
-    const float new_max = std::max(row_max, block_max);
-    const float alpha = std::exp(row_max - new_max);  // 0 on the first block (max is -inf)
-    const vfloat shift = srt_cpu::vbroadcast(new_max);
-    vfloat total{};
-    for (int64_t c = 0; c < kKeyVectors; ++c) {
-      vfloat p = srt_cpu::vexp(vload(sc + c * kLanes) - shift);
-      if (c * kLanes + kLanes > limit) {
-        // vexp clamps its input, so a key the row may not see gets e^-87, not 0: zero it.
-        for (int64_t l = std::max<int64_t>(0, limit - c * kLanes); l < kLanes; ++l) p[l] = 0.0f;
-      }
-      vstore(sc + c * kLanes, p);
-      total += p;
-    }
-    row_sum = row_sum * alpha + srt_cpu::vsum(total);
-    row_max = new_max;
-    if (alpha != 1.0f) {
-      const vfloat a = srt_cpu::vbroadcast(alpha);
-      int64_t d = 0;
-      for (; d + kLanes <= dim; d += kLanes) vstore(acc + d, vload(acc + d) * a);
-      for (; d < dim; ++d) acc[d] *= alpha;
-    }
-  }
-
-  void finish(const Task& t, const Scratch& s) const {
+  void finish(const Task& t, const Scratch<kv_t>& s) const {
     const int64_t n = (t.t1 - t.t0) * heads();
     q_t* dst = out + (start[t.b] + t.t0) * heads() * dim;
     for (int64_t i = 0; i < n; ++i) {
@@ -368,9 +244,9 @@ void run_extend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
   op.scale = static_cast<float>(scale);
   op.bad_slot = &bad_slot;
   const std::vector<Task> tasks = plan_extend(prefix.data_ptr<int64_t>(), ext.data_ptr<int64_t>(), bs);
-  srt_cpu::parallel_tasks<Scratch>(
-      static_cast<int64_t>(tasks.size()), [&] { return Scratch(q.size(1), q.size(2)); },
-      [&](int64_t i, Scratch& s) { op.run(tasks[i], s); });
+  srt_cpu::parallel_tasks<Scratch<kv_t>>(
+      static_cast<int64_t>(tasks.size()), [&] { return Scratch<kv_t>(q.size(1), q.size(2)); },
+      [&](int64_t i, Scratch<kv_t>& s) { op.run(tasks[i], s); });
   TORCH_CHECK(!bad_slot.load(), "req_to_token holds a KV slot outside the pool of ", k.size(0), " slots");
 }
 

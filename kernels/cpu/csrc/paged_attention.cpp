@@ -24,6 +24,7 @@
 namespace {
 
 using srt_cpu::from_float;
+using srt_cpu::kBlockTokens;
 using srt_cpu::kLanes;
 using srt_cpu::vfloat;
 using srt_cpu::vload;
@@ -33,9 +34,6 @@ using srt_cpu::vsum;
 // Keys per task: equal-sized work items balance ragged rows over the threads. Fixed (not derived
 // from the thread count) so a row's result never depends on the machine or the rest of the batch.
 constexpr int64_t kSplitTokens = 256;
-// Keys scored together before one rescale of the running output.
-constexpr int64_t kBlockTokens = 32;
-static_assert(kBlockTokens % kLanes == 0, "score rows are processed in whole vectors");
 
 // One query of a task: request `b`'s heads. `part` < 0: the request has one split and the task
 // writes its output itself; otherwise the index of its (max, sum, unnormalised output) partial.
@@ -59,17 +57,18 @@ struct Merge {
 
 // Per-worker buffers, allocated once per worker per call, with the running state of up to
 // `members` queries (q, acc, max, sum, score: member m at offset m * heads), the block's K and V
-// rows as fp32 ([kBlockTokens][kv_heads][dim]), and `rows[j]`: key j's row of one kv head there.
+// rows as fp32 ([kBlockTokens][kv_heads][dim]), `rows[j]`: key j's row of one kv head there, and
+// that head's K rows transposed (kt, [dim][kBlockTokens]).
 struct Scratch {
   int64_t heads, dim;
-  std::vector<float> q, acc, score, max, sum, k_tile, v_tile;
+  std::vector<float> q, acc, score, max, sum, k_tile, v_tile, kt;
   std::vector<int64_t> slot;
   std::vector<const float*> rows, q_rows;
   std::vector<float*> score_rows, acc_rows;
   Scratch(int64_t heads, int64_t kv_heads, int64_t dim, int64_t members)
       : heads(heads), dim(dim), q(members * heads * dim), acc(members * heads * dim),
         score(members * heads * kBlockTokens), max(members * heads), sum(members * heads),
-        k_tile(kBlockTokens * kv_heads * dim), v_tile(kBlockTokens * kv_heads * dim), slot(kBlockTokens),
+        k_tile(kBlockTokens * kv_heads * dim), v_tile(kBlockTokens * kv_heads * dim), kt(dim * kBlockTokens), slot(kBlockTokens),
         rows(kBlockTokens), q_rows(members * heads), score_rows(members * heads), acc_rows(members * heads) {}
 };
 
@@ -150,27 +149,10 @@ struct Decode {
     for (int64_t j = 0; j < n; ++j) s.rows[j] = tile + (j * num_kv_heads + kv_head) * dim;
   }
 
-  // Online softmax: fold the block's scores into each head's running max and sum, rescale
-  // the running output, and leave the block's probabilities (relative to the new max) in m.score.
+  // Online softmax of each head of kv head h0's group over the block's n keys (attention_tiles.h).
   void softmax_block(int64_t h0, int64_t n, const Query& m) const {
-    for (int64_t h = h0; h < h0 + group; ++h) {
-      float* sc = m.score + h * kBlockTokens;
-      float block_max = sc[0];
-      for (int64_t j = 1; j < n; ++j) block_max = std::max(block_max, sc[j]);
-      const float new_max = std::max(m.max[h], block_max);
-      const float alpha = std::exp(m.max[h] - new_max);  // 0 on the first block (max is -inf)
-      // Whole vectors (a score row is a multiple of kLanes long): lanes past n are never read.
-      const vfloat shift = srt_cpu::vbroadcast(new_max);
-      for (int64_t j = 0; j < n; j += kLanes) vstore(sc + j, srt_cpu::vexp(vload(sc + j) - shift));
-      float block_sum = 0.0f;
-      for (int64_t j = 0; j < n; ++j) block_sum += sc[j];
-      m.sum[h] = m.sum[h] * alpha + block_sum;
-      m.max[h] = new_max;
-      if (alpha != 1.0f) {
-        float* acc = m.acc + h * dim;
-        for (int64_t d = 0; d < dim; ++d) acc[d] *= alpha;
-      }
-    }
+    for (int64_t h = h0; h < h0 + group; ++h)
+      srt_cpu::softmax_block(m.score + h * kBlockTokens, m.acc + h * dim, m.max[h], m.sum[h], n, dim);
   }
 
   // The query rows of one kv head, over every member: row r is member r / group's head
@@ -201,7 +183,8 @@ struct Decode {
         const int64_t h0 = kv_head * group;
         const int64_t query_rows = point_queries(h0, t.count, s);
         point_rows(s.k_tile.data(), kv_head, n, s);
-        srt_cpu::score_rows(s.q_rows.data(), s.rows.data(), s.score_rows.data(), query_rows, n, dim);
+        srt_cpu::transpose_keys(s.rows.data(), n, dim, s.kt.data());
+        srt_cpu::score_rows(s.q_rows.data(), s.kt.data(), s.score_rows.data(), query_rows, dim);
         for (int64_t i = 0; i < t.count; ++i) softmax_block(h0, n, Query(s, i));
         point_rows(s.v_tile.data(), kv_head, n, s);
         srt_cpu::value_rows(s.score_rows.data(), s.rows.data(), s.acc_rows.data(), query_rows, n, dim);

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.attention import torch_native_backend
 from kernels.attention.torch_native_backend import TorchNativeAttnBackend
 from kernels.cpu.paged_attention import paged_extend_op
 from srt.model_executor.forward_batch_info import ForwardBatch
@@ -207,3 +208,14 @@ def test_backend_extend_with_the_op_matches_the_torch_path(op, page_size, dtype)
     tol = 1e-5 if dtype == F32 else 1e-2
     for got, want in zip(results["op"], results["torch"]):
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+def test_backend_extend_keeps_the_torch_path_when_the_op_is_unavailable(monkeypatch):
+    monkeypatch.setattr(torch_native_backend, "paged_extend_op", lambda *args: None)
+    backend = TorchNativeAttnBackend("cpu", F32, F32)
+    assert backend.paged_extend is None and backend.paged_decode is not None
+    layer = Layer(0, 4, 2, 16, 0.25)
+    alloc, runner = make_backend_runner(1, 2, 16, F32, backend)
+    outs = _chunked_prefill(runner, alloc, layer, [[5, 3], [9]], seed=2)
+    assert len(backend.extend_rows) == 1 and backend.extend_lens is None  # the per-request SDPA path ran
+    assert all(torch.isfinite(o).all() for o in outs)

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 
 class TorchNativeAttnBackend(AttentionBackend):
-    """Gathers each request's K/V through `req_to_token` and runs SDPA.
+    """SDPA over each request's K/V gathered through `req_to_token`, or the CPU's in-place ops.
 
     On the CPU, extend and decode read the pool in place with the C++ ops of `kernels/cpu` when
     they serve the pool's dtypes and build here. Otherwise (CUDA, fp8 KV, no compiler) extend runs
@@ -81,9 +81,10 @@ class TorchNativeAttnBackend(AttentionBackend):
             self.decode_indices = idx
             return
         if self.paged_extend is not None:
-            # Host int64 tensors, built once per step: the op reads req_to_token through them.
-            self.extend_lens = (torch.tensor(fb.extend_prefix_lens_cpu, dtype=torch.int64),
-                                torch.tensor(fb.extend_seq_lens_cpu, dtype=torch.int64))
+            # Host int64 tensors (the op is CPU-only), built once per step: the op reads
+            # req_to_token through them.
+            self.extend_lens = (torch.tensor(fb.extend_prefix_lens_cpu, dtype=torch.int64, device="cpu"),
+                                torch.tensor(fb.extend_seq_lens_cpu, dtype=torch.int64, device="cpu"))
             return
         rows = []
         rows_idx = fb.req_pool_indices_cpu

@@ -102,7 +102,7 @@ inline vfloat vexp(vfloat x) {
 typedef float vfloat4 __attribute__((vector_size(4 * sizeof(float))));
 
 // Lanes i and i + 4 of v added (after folding sixteen lanes to eight where vfloat has sixteen):
-// the first level of vsum's tree, which vsum4 (attention_tiles.h) shares.
+// the first level of vsum's tree.
 inline vfloat4 fold4(vfloat v) {
 #if defined(__AVX512F__)
   typedef float vfloat8 __attribute__((vector_size(8 * sizeof(float))));

@@ -5,6 +5,8 @@ code they replace stays as the fallback and as the oracle of tests/test_cpu_elem
     torch.ops.srt_cpu.rms_norm(x, residual | None, weight, eps) -> (out, new residual or empty)
     torch.ops.srt_cpu.silu_and_mul(x) -> silu(x[:, :d]) * x[:, d:]
     torch.ops.srt_cpu.rotary_embedding(positions, q, k, cos_cache, sin_cache) -> (q, k)
+    torch.ops.srt_cpu.argmax_rows(logits [rows, vocab]) -> [rows] int64 (csrc/sampling.cpp: the
+        sampler's greedy rows; torch.argmax's answer, ties and NaN included)
 
 Rows are 2-D with a contiguous last dim, fp32 or bf16; results round where the torch ops round.
 """
@@ -27,6 +29,7 @@ def load_fused_ops() -> bool:
     torch.library.register_fake("srt_cpu::rms_norm", _rms_norm_fake)
     torch.library.register_fake("srt_cpu::silu_and_mul", _silu_and_mul_fake)
     torch.library.register_fake("srt_cpu::rotary_embedding", _rotary_embedding_fake)
+    torch.library.register_fake("srt_cpu::argmax_rows", _argmax_rows_fake)
     return True
 
 
@@ -40,3 +43,7 @@ def _silu_and_mul_fake(x):
 
 def _rotary_embedding_fake(positions, q, k, cos_cache, sin_cache):
     return q.new_empty(q.shape), k.new_empty(k.shape)
+
+
+def _argmax_rows_fake(logits):
+    return logits.new_empty(logits.shape[0], dtype=torch.int64)

@@ -42,6 +42,10 @@ class ScheduleBatch:
         # Decode keeps its sampling tensors across steps (see _decode_sampling_info): the requests
         # they were built for, each one's len(output_ids) then, and the tensors.
         self._sampling_cache: Optional[Tuple[List[Req], List[int], SamplingBatchInfo]] = None
+        # --enable-mixed-chunk: running requests whose decode step rides in this extend batch
+        # (`mix_with_running`); after prepare_for_extend they are `reqs[num_extend:]`.
+        self.decode_reqs: List[Req] = []
+        self.num_extend = len(reqs)
 
     def batch_size(self) -> int:
         return len(self.reqs)
@@ -90,14 +94,45 @@ class ScheduleBatch:
             off += s - p
             req.kv_allocated_len = req.kv_committed_len = s
             logprob_starts.append(self._input_logprob_start(req, p, s))
+        input_ids = [r.fill_ids[p:] for r, p in zip(self.reqs, prefix_lens)]
+        self.num_extend = len(self.reqs)
+        if self.decode_reqs:
+            out_loc = self._add_decode_rows(input_ids, prefix_lens, seq_lens, logprob_starts, out_loc)
         want_input = any(x < s - p for x, p, s in zip(logprob_starts, prefix_lens, seq_lens))
         fb = ForwardBatch.create_extend(
-            self.runner, [r.fill_ids[p:] for r, p in zip(self.reqs, prefix_lens)], prefix_lens,
+            self.runner, input_ids, prefix_lens,
             [r.req_pool_idx for r in self.reqs], out_loc, logprob_starts if want_input else None,
         )
         self.prefix_lens, self.seq_lens_cpu = prefix_lens, seq_lens
         fb.sampling_info = self._with_grammar_mask(self._sampling_info())
         return fb
+
+    def _add_decode_rows(self, input_ids: List[List[int]], prefix_lens: List[int], seq_lens: List[int],
+                         logprob_starts: List[int], out_loc: torch.Tensor) -> torch.Tensor:
+        """Mixed chunk: each running request in `decode_reqs` joins this extend as one more row, its
+        last output token over its whole KV as prefix: exactly its decode step. Where the pool has no
+        room for their slots after the prompts' (evicting first) they are left out of this step, and
+        the next decode step retracts as usual."""
+        reqs = self.decode_reqs
+        need = sum(1 for r in reqs if r.kv_committed_len % self.page_size == 0) * self.page_size
+        if not self._has_room(need):
+            self.decode_reqs = []
+            return out_loc
+        rows = [r.req_pool_idx for r in reqs]
+        old = [r.kv_committed_len for r in reqs]
+        new_lens = [n + 1 for n in old]
+        slots = self._alloc(self.allocator.alloc_decode, need, new_lens, self._last_loc(rows, old))
+        width = self.req_to_token_pool.req_to_token.shape[1]
+        flat_pos = host_to_device([r * width + n for r, n in zip(rows, old)], torch.int64, self.device)
+        self.req_to_token_pool.req_to_token.view(-1).index_copy_(0, flat_pos, slots.to(torch.int32))
+        for r in reqs:
+            r.kv_allocated_len = r.kv_committed_len = r.kv_committed_len + 1
+            input_ids.append([r.output_ids[-1]])
+            logprob_starts.append(1)  # no input logprobs
+        prefix_lens.extend(old)
+        seq_lens.extend(new_lens)
+        self.reqs = self.reqs + reqs
+        return torch.cat([out_loc, slots.to(out_loc.device, out_loc.dtype)])
 
     @staticmethod
     def _input_logprob_start(req: Req, prefix: int, seq: int) -> int:

@@ -132,6 +132,8 @@ class Scheduler:
     def get_next_batch_to_run(self) -> Optional[ScheduleBatch]:
         batch = self.get_new_batch_prefill()
         if batch is not None:
+            if self.server_args.enable_mixed_chunk:
+                self.mix_with_running(batch)
             return batch
         if self.running_batch.is_empty():
             return None
@@ -170,6 +172,16 @@ class Scheduler:
             return None
         self._log_prefill(adder)
         return ScheduleBatch(list(adder.can_run_list), self.runner, self.tree_cache)
+
+    def mix_with_running(self, batch: ScheduleBatch) -> None:
+        """--enable-mixed-chunk: the running requests take their decode step inside `batch` (SGLang's
+        mixed chunk), unless a request of either wants logprobs (their rows would need the extend's
+        input-logprob bookkeeping) or the pool cannot give them a slot each (then they wait, as
+        without the flag, and the next decode step evicts or retracts)."""
+        running = self.running_batch.reqs
+        if not running or any(r.return_logprob for r in running + batch.reqs):
+            return
+        batch.decode_reqs = list(running)
 
     def update_running_batch(self) -> None:
         """Make room for one decode step: evict, then retract (with headroom for
@@ -241,7 +253,17 @@ class Scheduler:
         sample = sample.to_host()  # the step's one device-to-host transfer
         tokens = sample.next_token_ids
         sampled = 0
-        for i, req in enumerate(batch.reqs):
+        for i, req in enumerate(batch.reqs[batch.num_extend:], start=batch.num_extend):  # mixed: decode rows
+            append_token(req, i, tokens[i], sample)
+            req.check_finished(self.tokenizer)
+            sampled += 1
+            if req.finished():
+                self._finish(req)
+        if batch.decode_reqs:
+            self.decode_ct += 1
+            self.running_batch.filter_batch()
+            self._log_decode()
+        for i, req in enumerate(batch.reqs[:batch.num_extend]):
             if req is self.chunked_req:  # partial prompt: no token, keep prefilling next round
                 req.is_chunked += 1
                 self.tree_cache.cache_unfinished_req(req)

@@ -141,6 +141,10 @@ class ServerArgs:
     max_prefill_tokens: int = _opt(16384, "Cap on new tokens in one prefill batch (never blocks the first request).")
     chunked_prefill_size: Optional[int] = _opt(
         None, "Split prompts longer than this into chunks (default 8192 on CUDA, 1024 on CPU; -1 disables).")
+    enable_mixed_chunk: bool = _opt(
+        False, "Run the running requests' decode step inside each prefill batch (one new token each, beside "
+        "the new prompts' tokens), so a prefill no longer holds them back: one forward instead of two. "
+        "Not mixed: steps where a request asks for logprobs.")
     schedule_policy: str = _opt("fcfs", "Order of the waiting queue.", SCHEDULE_POLICY_CHOICES)
     schedule_conservativeness: float = _opt(1.0, "Higher reserves more KV for running decodes.")
     max_queued_requests: Optional[int] = _opt(None, "Refuse requests with 503 beyond this many waiting.")

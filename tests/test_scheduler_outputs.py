@@ -43,6 +43,8 @@ CONFIGS = [
     dict(schedule_policy="lpm", disable_radix_cache=True),
     dict(max_prefill_tokens=20),
     dict(max_running_requests=2),
+    dict(enable_mixed_chunk=True, max_prefill_tokens=20),
+    dict(enable_mixed_chunk=True, max_running_requests=2, chunked_prefill_size=16, page_size=16),
 ]
 
 

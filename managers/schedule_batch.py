@@ -114,23 +114,15 @@ class ScheduleBatch:
         room for their slots after the prompts' (evicting first) they are left out of this step, and
         the next decode step retracts as usual."""
         reqs = self.decode_reqs
-        need = sum(1 for r in reqs if r.kv_committed_len % self.page_size == 0) * self.page_size
-        if not self._has_room(need):
+        if not self._has_room(self.new_page_count(reqs) * self.page_size):
             self.decode_reqs = []
             return out_loc
-        rows = [r.req_pool_idx for r in reqs]
-        old = [r.kv_committed_len for r in reqs]
-        new_lens = [n + 1 for n in old]
-        slots = self._alloc(self.allocator.alloc_decode, need, new_lens, self._last_loc(rows, old))
-        width = self.req_to_token_pool.req_to_token.shape[1]
-        flat_pos = host_to_device([r * width + n for r, n in zip(rows, old)], torch.int64, self.device)
-        self.req_to_token_pool.req_to_token.view(-1).index_copy_(0, flat_pos, slots.to(torch.int32))
+        prefix_lens.extend(r.kv_committed_len for r in reqs)
+        slots = self._decode_slots(reqs)
         for r in reqs:
-            r.kv_allocated_len = r.kv_committed_len = r.kv_committed_len + 1
             input_ids.append([r.output_ids[-1]])
             logprob_starts.append(1)  # no input logprobs
-        prefix_lens.extend(old)
-        seq_lens.extend(new_lens)
+            seq_lens.append(r.kv_committed_len)
         self.reqs = self.reqs + reqs
         return torch.cat([out_loc, slots.to(out_loc.device, out_loc.dtype)])
 
@@ -142,11 +134,13 @@ class ScheduleBatch:
         return min(max(req.logprob_start_len - prefix, 0), seq - prefix)
 
     # ------------------------------------------------------------------ decode
-    def new_page_count(self) -> int:
-        """Requests whose next token starts a new page (all of them when page_size is 1)."""
+    def new_page_count(self, reqs: Optional[List[Req]] = None) -> int:
+        """Requests (default: the batch's) whose next token starts a new page (all of them when
+        page_size is 1)."""
+        reqs = self.reqs if reqs is None else reqs
         if self.page_size == 1:
-            return len(self.reqs)
-        return sum(1 for r in self.reqs if r.kv_committed_len % self.page_size == 0)
+            return len(reqs)
+        return sum(1 for r in reqs if r.kv_committed_len % self.page_size == 0)
 
     def check_decode_mem(self) -> bool:
         """Enough free slots for one more token per request, evicting the tree if needed."""
@@ -171,22 +165,28 @@ class ScheduleBatch:
         scheduler's lists), so building the step reads nothing back from the device."""
         self.forward_mode = ForwardMode.DECODE
         bs = len(self.reqs)
-        rows = [r.req_pool_idx for r in self.reqs]
-        old = [r.kv_committed_len for r in self.reqs]
-        new_lens = [n + 1 for n in old]
-        last_loc = self._last_loc(rows, old)
-        out_loc = self._alloc(self.allocator.alloc_decode, self.new_page_count() * self.page_size,
-                              new_lens, last_loc)
-        width = self.req_to_token_pool.req_to_token.shape[1]
-        flat_pos = host_to_device([r * width + n for r, n in zip(rows, old)], torch.int64, self.device)
-        self.req_to_token_pool.req_to_token.view(-1).index_copy_(0, flat_pos, out_loc.to(torch.int32))
-        for r in self.reqs:
-            r.kv_allocated_len = r.kv_committed_len = r.kv_committed_len + 1
+        out_loc = self._decode_slots(self.reqs)
+        new_lens = [r.kv_committed_len for r in self.reqs]
         input_ids = host_to_device([r.output_ids[-1] for r in self.reqs], torch.int64, self.device)
-        fb = ForwardBatch.create_decode(self.runner, input_ids, new_lens, rows, out_loc)
+        fb = ForwardBatch.create_decode(self.runner, input_ids, new_lens, [r.req_pool_idx for r in self.reqs],
+                                        out_loc)
         fb.sampling_info = self._with_grammar_mask(self._decode_sampling_info(input_ids))
         assert fb.batch_size == bs
         return fb
+
+    def _decode_slots(self, reqs: List[Req]) -> torch.Tensor:
+        """One new KV slot per request of `reqs` (a decode step, or mixed chunk's decode rows) at
+        position kv_committed_len, written into `req_to_token`; the lengths grow by one."""
+        rows = [r.req_pool_idx for r in reqs]
+        old = [r.kv_committed_len for r in reqs]
+        slots = self._alloc(self.allocator.alloc_decode, self.new_page_count(reqs) * self.page_size,
+                            [n + 1 for n in old], self._last_loc(rows, old))
+        width = self.req_to_token_pool.req_to_token.shape[1]
+        flat_pos = host_to_device([r * width + n for r, n in zip(rows, old)], torch.int64, self.device)
+        self.req_to_token_pool.req_to_token.view(-1).index_copy_(0, flat_pos, slots.to(torch.int32))
+        for r in reqs:
+            r.kv_allocated_len = r.kv_committed_len = r.kv_committed_len + 1
+        return slots
 
     def _last_loc(self, rows: List[int], lens: List[int]) -> torch.Tensor:
         """KV slot of position `lens[i] - 1` of each row, gathered on the device (the paged

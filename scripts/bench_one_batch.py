@@ -143,8 +143,12 @@ def main() -> None:
         path, load_format = args.model_path, "auto"
     else:
         path, load_format = str(write_preset(args.preset, Path(tmp.name), max(4096, max_len))), "dummy"
+    # Graphs are built per mode below. A compile mode builds the runner as --enable-torch-compile
+    # does (CPU linear weights left unpacked: the compiled forward cannot trace oneDNN's opaque
+    # packed tensors), so every mode of the run measures that same model.
+    compiles = "compile" in (args.decode_modes or [])
     sa = ServerArgs(model_path=path, dtype=args.dtype, device=args.device, load_format=load_format,
-                    disable_cuda_graph=True)  # graphs are built per mode below
+                    disable_cuda_graph=True, enable_torch_compile=compiles)
     T = max(args.batch_sizes) * max_len + 64
     runner = ModelRunner(sa, max_total_tokens=T, max_running_requests=max(args.batch_sizes))
     if args.decode_modes:
@@ -288,9 +292,12 @@ def bench_modes(runner: ModelRunner, args, max_len: int) -> None:
             runners[mode] = CudaGraphRunner(runner, capture_bs=capture, use_cuda_graph=on_cuda,
                                             enable_torch_compile=mode == "compile")
         print(f"# {mode}: set up in {time.perf_counter() - t0:.1f} s", flush=True)
+    unpacked = ""
+    if "compile" in args.decode_modes and not on_cuda:
+        unpacked = ", CPU weights unpacked as under --enable-torch-compile"
     print(f"# bench_one_batch --decode-modes: {args.model_path or args.preset}, {args.dtype}, {dev}, "
           f"threads={torch.get_num_threads()}, output_len={args.output_len}, attention={runner.attention_backend_name}, "
-          f"weights {wbytes / 1e9:.3f} GB")
+          f"weights {wbytes / 1e9:.3f} GB{unpacked}")
     head = "| batch | input | mode | prefill tok/s | decode tok/s | decode step ms | x eager |"
     if on_cuda:
         head += " roofline ms | % of roofline |"

@@ -31,3 +31,21 @@ def test_shared_prefix_decode_attention_rows_for_every_implementation() -> None:
     cells = [c.strip() for c in rows[0].strip("|").split("|")]
     times = [float(c) for c in cells[2:8]]  # step and CPU ms for paged, paged-unshared, torch
     assert all(t > 0 for t in times), rows[0]
+
+
+def test_decode_modes_eager_and_compile_rows_on_cpu() -> None:
+    """`--decode-modes eager compile` on CPU: the compiled forward runs over weights left unpacked,
+    as --enable-torch-compile leaves them (over oneDNN's packed weights it raised while tracing)."""
+    cmd = [sys.executable, str(SCRIPT), "--preset", "tiny", "--no-hf", "--device", "cpu", "--batch-sizes", "2",
+           "--input-lens", "16", "--output-len", "3", "--decode-modes", "eager", "compile", "--threads", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "CPU weights unpacked as under --enable-torch-compile" in proc.stdout
+    rows = {}
+    for line in proc.stdout.splitlines():
+        m = re.match(r"\| 2 \| 16 \| (\w+) \|", line)
+        if m:
+            rows[m.group(1)] = [float(c.replace(",", "")) for c in line.strip("|").split("|")[3:]]
+    assert sorted(rows) == ["compile", "eager"], proc.stdout
+    assert rows["eager"][-1] == 1.0  # the ratio column is against eager
+    assert all(v > 0 for cells in rows.values() for v in cells), rows

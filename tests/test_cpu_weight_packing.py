@@ -118,10 +118,24 @@ def test_untied_head_is_packed_and_its_dense_copy_freed(llama_model, gemm):
     assert head.packed_weight.is_mkldnn == (gemm == "onednn") and head.weight.numel() == 0
 
 
-def test_torch_compile_keeps_dense_weights(llama_model):
-    """inductor cannot trace an opaque oneDNN tensor, so --enable-torch-compile skips packing."""
-    runner = make_runner(llama_model, enable_torch_compile=True)
+def test_torch_compile_keeps_dense_weights(llama_model, caplog):
+    """inductor cannot trace an opaque oneDNN tensor, so --enable-torch-compile skips packing,
+    and says so where packing would otherwise have run (the compiled decode is then slower here)."""
+    with caplog.at_level("WARNING", logger="srt.layers.cpu_weight_packing"):
+        runner = make_runner(llama_model, enable_torch_compile=True)
     assert all(m.packed_weight is None and m.weight.numel() > 0 for m in _linears(runner.model))
+    warned = [r.getMessage() for r in caplog.records if "--enable-torch-compile leaves" in r.getMessage()]
+    would_pack = cpu_weight_packing.will_pack("cpu", runner.dtype, False)
+    assert len(warned) == (1 if would_pack else 0), warned
+    if would_pack:
+        assert "scripts/bench_one_batch.py" in warned[0]
+
+
+def test_no_compile_warning_when_packing_is_switched_off(llama_model, caplog, monkeypatch):
+    monkeypatch.setenv("SRT_CPU_WEIGHT_PACKING", "0")
+    with caplog.at_level("WARNING", logger="srt.layers.cpu_weight_packing"):
+        make_runner(llama_model, enable_torch_compile=True)
+    assert not [r for r in caplog.records if "--enable-torch-compile leaves" in r.getMessage()]
 
 
 # ---------------------------------------------------------------------- bf16 widened to fp32

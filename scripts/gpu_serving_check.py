@@ -8,12 +8,14 @@ server (`launch_server` subprocesses on loopback), compared token by token.
 The reference is always `--device cpu --dtype float32 --attention-backend torch_native`. Both servers
 run with `--page-size 16 --chunked-prefill-size 32` and get 32 greedy prompts (4 groups of 8
 sharing a 48-token prefix, so the radix cache and chunked prefill both work), returning logprobs
-with top-2, plus one n = 2 request. The candidate's warm-up (launch_server's 4-token generation)
+with the top TOP_K, plus one n = 2 request. The candidate's warm-up (launch_server's 4-token generation)
 must pass for it to start at all.
 
 Pass rule: fp32 candidates must give identical tokens. Lower precision may diverge only at a near
-tie: at the first position where the tokens differ, the candidate's token must be the reference's
-second choice with a logprob within --tie-nats (default 0.25) of the first. Only stdlib is used.
+tie: at the first position where the tokens differ, the candidate's token must be among the
+reference's top TOP_K with a logprob within --tie-nats (default 0.25) of the reference's first
+choice (bf16 can reorder three nearly equal tokens: on the H200, qwen3 picked the reference's
+third choice where its first two were 0.0005 nats apart). Only stdlib is used.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from typing import Any, Dict, List, Optional
 REPO = Path(__file__).resolve().parents[1]
 COMMON_FLAGS = ["--page-size", "16", "--chunked-prefill-size", "32", "--max-total-tokens", "16384",
                 "--max-running-requests", "64"]
+TOP_K = 5  # reference logprobs kept per position, for the near-tie rule
 logger = logging.getLogger("gpu_serving_check")
 
 
@@ -102,7 +105,7 @@ def make_prompts(vocab: int, seed: int = 0) -> List[List[int]]:
 def run_requests(url: str, prompts: List[List[int]], max_new: int) -> Dict[str, Any]:
     params = {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}
     batch = post(url + "/generate", {"input_ids": prompts, "sampling_params": params, "return_logprob": True,
-                                     "top_logprobs_num": 2})
+                                     "top_logprobs_num": TOP_K})
     fan = post(url + "/generate", {"input_ids": prompts[0], "sampling_params": dict(params, n=2)})
     return {"batch": batch, "n2": fan}
 
@@ -116,12 +119,11 @@ def compare(ref: Dict[str, Any], cand: Dict[str, Any], exact: bool, tie_nats: fl
             continue
         j = next(k for k in range(min(len(a), len(b))) if a[k] != b[k])
         top = r["meta_info"]["output_top_logprobs"][j]  # [[logprob, id], ...] best first
-        second = top[1] if len(top) > 1 else None
-        tie = second is not None and second[1] == b[j] and top[0][0] - second[0] <= tie_nats
+        tie = any(entry[1] == b[j] and top[0][0] - entry[0] <= tie_nats for entry in top[1:])
         if tie and not exact:
             near_ties += 1
         else:
-            failures.append(dict(prompt=i, position=j, reference=a[j], candidate=b[j], top2=top))
+            failures.append(dict(prompt=i, position=j, reference=a[j], candidate=b[j], reference_top=top))
     n2 = cand["n2"]
     n2_ok = isinstance(n2, list) and len(n2) == 2 and n2[0]["output_ids"] == n2[1]["output_ids"]
     if not n2_ok:

@@ -39,16 +39,21 @@ def _runs(ref_ids, cand_ids, ref_top=None):
     return ref, cand
 
 
-def test_near_tie_rule_accepts_second_choice_within_tie_nats_in_low_precision_only():
+def test_near_tie_rule_accepts_a_top_k_choice_within_tie_nats_in_low_precision_only():
     tie_top = [[[-0.1, 5], [-0.2, 6]], [[-0.1, 7], [-2.0, 1]]]
     ref, cand = _runs([5, 7], [6, 9], tie_top)
     assert gpu_serving_check.compare(ref, cand, exact=False, tie_nats=0.25)["passed"]
     assert not gpu_serving_check.compare(ref, cand, exact=True, tie_nats=0.25)["passed"]
     assert not gpu_serving_check.compare(ref, cand, exact=False, tie_nats=0.05)["passed"]
+    three_way = [[[-0.1, 5], [-0.1001, 8], [-0.15, 6]], [[-0.1, 7], [-2.0, 1]]]
+    ref, cand = _runs([5, 7], [6, 9], three_way)  # the reference's third choice, still a near tie
+    assert gpu_serving_check.compare(ref, cand, exact=False, tie_nats=0.25)["near_ties"] == 1
     far_top = [[[-0.1, 5], [-1.5, 6]], [[-0.1, 7], [-2.0, 1]]]
     ref, cand = _runs([5, 7], [6, 9], far_top)
     result = gpu_serving_check.compare(ref, cand, exact=False, tie_nats=0.25)
     assert not result["passed"] and result["failures"][0]["position"] == 0
+    ref, cand = _runs([5, 7], [4, 9], tie_top)  # a token outside the reference's top: a failure
+    assert not gpu_serving_check.compare(ref, cand, exact=False, tie_nats=0.25)["passed"]
     ref, cand = _runs([5, 7], [5, 7])
     cand["n2"] = [_out([1]), _out([2])]
     assert not gpu_serving_check.compare(ref, cand, exact=True, tie_nats=0.25)["n2_ok"]

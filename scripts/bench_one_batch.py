@@ -49,7 +49,7 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 from srt.model_executor.cuda_graph_runner import CudaGraphRunner  # noqa: E402
 from srt.model_executor.model_runner import ModelRunner  # noqa: E402
 from srt.model_executor.static_batch import StaticBatch  # noqa: E402
-from srt.server_args import ServerArgs  # noqa: E402
+from srt.server_args import ATTENTION_BACKEND_CHOICES, ServerArgs  # noqa: E402
 
 PRESETS = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -120,6 +120,8 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers side")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKEND_CHOICES,
+                   help="as launch_server's (auto = flashinfer on CUDA when installed)")
     p.add_argument("--decode-modes", nargs="+", choices=["eager", "graph", "compile"], default=None,
                    help="measure decode in each mode side by side (see the module docstring); no HF")
     p.add_argument("--peak-bandwidth-tbs", type=float, default=4.8, help="memory bandwidth for the roofline (H200: 4.8)")
@@ -148,7 +150,7 @@ def main() -> None:
     # packed tensors), so every mode of the run measures that same model.
     compiles = "compile" in (args.decode_modes or [])
     sa = ServerArgs(model_path=path, dtype=args.dtype, device=args.device, load_format=load_format,
-                    disable_cuda_graph=True, enable_torch_compile=compiles)
+                    disable_cuda_graph=True, enable_torch_compile=compiles, attention_backend=args.attention_backend)
     T = max(args.batch_sizes) * max_len + 64
     runner = ModelRunner(sa, max_total_tokens=T, max_running_requests=max(args.batch_sizes))
     if args.decode_modes:

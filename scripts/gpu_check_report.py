@@ -33,7 +33,9 @@ def build(results: Path) -> Dict[str, Any]:
     steps = [json.loads(line) for line in (results / "steps.jsonl").read_text().splitlines() if line.strip()] \
         if (results / "steps.jsonl").exists() else []
     serve = {p.stem: _load(p) for p in sorted(results.glob("serve_*.json"))}
-    bench = _load(results / "bench_one_batch.json") or []
+    bench = []
+    for attention, name in (("torch_native", "bench_one_batch.json"), ("flashinfer", "bench_one_batch_flashinfer.json")):
+        bench += [dict(row, attention=attention) for row in _load(results / name) or []]
     serving = None
     lines = (results / "bench_serving.jsonl").read_text().splitlines() if (results / "bench_serving.jsonl").exists() else []
     for line in reversed(lines):
@@ -55,10 +57,10 @@ def markdown(report: Dict[str, Any]) -> str:
             out.append(f"| {name} | {r.get('prompts')} | {r.get('identical')} | {r.get('near_ties')} | "
                        f"{r.get('n2_ok')} | {r.get('candidate_ready_s')} | {r.get('passed')} |")
     if report["bench_one_batch"]:
-        out += ["", "| batch | input | mode | prefill tok/s | decode tok/s | step ms | x eager | % roofline |",
-                "|---|---|---|---|---|---|---|---|"]
+        out += ["", "| attention | batch | input | mode | prefill tok/s | decode tok/s | step ms | x eager | % roofline |",
+                "|---|---|---|---|---|---|---|---|---|"]
         for r in report["bench_one_batch"]:
-            out.append(f"| {r['batch']} | {r['input']} | {r['mode']} | {r['prefill_tok_s']:,.0f} | "
+            out.append(f"| {r['attention']} | {r['batch']} | {r['input']} | {r['mode']} | {r['prefill_tok_s']:,.0f} | "
                        f"{r['decode_tok_s']:,.1f} | {r['step_ms']:.2f} | {r['x_eager']:.2f} | "
                        f"{100 * r.get('roofline_fraction', 0):.0f}% |")
     s = report["bench_serving"]

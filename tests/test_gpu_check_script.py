@@ -76,8 +76,12 @@ def test_report_collects_steps_and_tables(tmp_path):
     (tmp_path / "bench_one_batch.json").write_text(json.dumps([dict(
         batch=1, input=2048, mode="graph", prefill_tok_s=1e4, decode_tok_s=300.0, step_ms=3.3, x_eager=2.5,
         roofline_fraction=0.6)]))
+    (tmp_path / "bench_one_batch_flashinfer.json").write_text(json.dumps([dict(
+        batch=8, input=2048, mode="eager", prefill_tok_s=2e4, decode_tok_s=900.0, step_ms=8.9, x_eager=1.0,
+        roofline_fraction=0.06)]))
     report = gpu_check_report.build(tmp_path)
     text = gpu_check_report.markdown(report)
     assert "| serve_llama_float32 | 32 | 32 | 0 | True | 9.5 | True |" in text
-    assert "| 1 | 2048 | graph | 10,000 | 300.0 | 3.30 | 2.50 | 60% |" in text
+    assert "| torch_native | 1 | 2048 | graph | 10,000 | 300.0 | 3.30 | 2.50 | 60% |" in text
+    assert "| flashinfer | 8 | 2048 | eager | 20,000 | 900.0 | 8.90 | 1.00 | 6% |" in text
     assert "| bench_serving | 1 | 3 |" in text

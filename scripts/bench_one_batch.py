@@ -5,6 +5,7 @@
     python scripts/bench_one_batch.py --preset llama-100m --no-hf --decode-modes eager compile
     python scripts/bench_one_batch.py --preset llama-1b --dtype bfloat16 --no-hf --decode-modes eager graph
     python scripts/bench_one_batch.py --no-hf --batch-sizes 16 --input-lens 1100 --decode-attention paged torch
+    python scripts/bench_one_batch.py --preset thin-30 --no-hf --batch-sizes 1 16   # fixed cost of a step
 
 `--tp-size N` (no HF) measures decode step time at TP = 1 (this process, all threads) and at TP = N
 (N spawned ranks over gloo/NCCL, the threads split between them) on the same weights and prompts,
@@ -54,6 +55,10 @@ from srt.server_args import ATTENTION_BACKEND_CHOICES, ServerArgs  # noqa: E402
 PRESETS = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=1024),
+    # SmolLM2-135M's 30 layers at almost no arithmetic: its decode step is the fixed cost per step
+    # (Python, op dispatch, per-call library overhead) that every 30-layer model pays.
+    "thin-30": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=30, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, vocab_size=1024),
     "llama-100m": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
                        num_key_value_heads=4, vocab_size=32000),
     # Llama 3.2 1B's shapes (1.24B parameters, tied embeddings).

@@ -49,3 +49,27 @@ def test_decode_modes_eager_and_compile_rows_on_cpu() -> None:
     assert sorted(rows) == ["compile", "eager"], proc.stdout
     assert rows["eager"][-1] == 1.0  # the ratio column is against eager
     assert all(v > 0 for cells in rows.values() for v in cells), rows
+
+
+def test_thin_30_preset_is_smollm2_depth_with_little_arithmetic(tmp_path: Path) -> None:
+    """`--preset thin-30` measures a 30-layer model's fixed cost per step: SmolLM2-135M's depth,
+    a consistent tiny shape (heads x head_dim = hidden), and it runs end to end."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("bench_one_batch_under_test", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cfg = json.loads((module.write_preset("thin-30", tmp_path, 512) / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 30
+    assert cfg["num_attention_heads"] * cfg["head_dim"] == cfg["hidden_size"] == 64
+    assert cfg["num_attention_heads"] % cfg["num_key_value_heads"] == 0
+
+    cmd = [sys.executable, str(SCRIPT), "--preset", "thin-30", "--no-hf", "--batch-sizes", "2", "--input-lens", "8",
+           "--output-len", "3", "--threads", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if re.match(r"\| 2 \| 8 \|", line)]
+    assert len(rows) == 1, proc.stdout
+    step_ms = float(rows[0].strip("|").split("|")[-1].replace(",", ""))
+    assert step_ms > 0, rows[0]

@@ -107,3 +107,31 @@ def test_model_with_fused_ops_matches_the_torch_ops(tiny_model_factory, monkeypa
         assert toks == ref_toks
     assert_pool_conserved(fused)
     assert_pool_conserved(plain)
+
+
+def test_layers_trace_into_one_graph_under_torch_compile():
+    """Under torch.compile the layers take their torch code (inductor fuses it): dynamo traced into
+    the kernels' build check (file and PATH lookups), broke the graph at every norm and recompiled
+    per layer until its limit, so a 30-layer decode ran 2.5x slower compiled than eager.
+    fullgraph=True raises on any graph break."""
+    from srt.layers.activation import SiluAndMul
+    from srt.layers.layernorm import RMSNorm
+
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(3)
+    x, residual = torch.randn(5, 64, generator=g), torch.randn(5, 64, generator=g)
+    norm = RMSNorm(64, eps=1e-5)
+    norm.weight.data = 1 + 0.1 * torch.randn(64, generator=g)
+    rope = RotaryEmbedding(16, 64, 10000.0)
+    q, k = torch.randn(5, 4, 16, generator=g), torch.randn(5, 2, 16, generator=g)
+    positions = torch.tensor([0, 3, 7, 9, 63])
+
+    def layer(x, residual, q, k):
+        h, res = norm(x, residual)
+        rq, rk = rope(positions, q.clone(), k.clone())
+        return norm(h), res, SiluAndMul()(torch.cat([h, res], dim=-1)), rq, rk
+
+    compiled = torch.compile(layer, fullgraph=True, backend="eager")
+    for got, want in zip(compiled(x, residual, q, k), layer(x, residual, q, k)):
+        torch.testing.assert_close(got, want, **TOL[F32])
+    torch._dynamo.reset()

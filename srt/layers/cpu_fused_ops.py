@@ -19,6 +19,10 @@ DTYPES = (torch.float32, torch.bfloat16)
 def fused_ops_for(*tensors: torch.Tensor) -> Optional[Any]:
     """`torch.ops.srt_cpu` when every tensor is a CPU fp32/bf16 tensor of one dtype and the fused
     ops are on; else None (the caller runs its torch code)."""
+    if torch.compiler.is_compiling():
+        # Inductor fuses these itself, and dynamo cannot trace the build check below (file and PATH
+        # lookups): it broke the graph at every norm and recompiled per layer until its limit.
+        return None
     first = tensors[0]
     if first.device.type != "cpu" or first.dtype not in DTYPES:
         return None

@@ -119,12 +119,12 @@ def test_layers_trace_into_one_graph_under_torch_compile():
 
     torch._dynamo.reset()
     g = torch.Generator().manual_seed(3)
-    x, residual = torch.randn(5, 64, generator=g), torch.randn(5, 64, generator=g)
+    x, residual = torch.randn(5, 64, generator=g, device="cpu"), torch.randn(5, 64, generator=g, device="cpu")
     norm = RMSNorm(64, eps=1e-5)
-    norm.weight.data = 1 + 0.1 * torch.randn(64, generator=g)
+    norm.weight.data = 1 + 0.1 * torch.randn(64, generator=g, device="cpu")
     rope = RotaryEmbedding(16, 64, 10000.0)
-    q, k = torch.randn(5, 4, 16, generator=g), torch.randn(5, 2, 16, generator=g)
-    positions = torch.tensor([0, 3, 7, 9, 63])
+    q, k = torch.randn(5, 4, 16, generator=g, device="cpu"), torch.randn(5, 2, 16, generator=g, device="cpu")
+    positions = torch.tensor([0, 3, 7, 9, 63], device="cpu")
 
     def layer(x, residual, q, k):
         h, res = norm(x, residual)

@@ -152,12 +152,15 @@ def main() -> None:
         path, load_format = str(write_preset(args.preset, Path(tmp.name), max(4096, max_len))), "dummy"
     # Graphs are built per mode below. A compile mode builds the runner as --enable-torch-compile
     # does (CPU linear weights left unpacked: the compiled forward cannot trace oneDNN's opaque
-    # packed tensors), so every mode of the run measures that same model.
+    # packed tensors, it freezes the dense ones), so every mode of the run measures that same model;
+    # on CPU the runner compiles the decode forward while it starts.
     compiles = "compile" in (args.decode_modes or [])
     sa = ServerArgs(model_path=path, dtype=args.dtype, device=args.device, load_format=load_format,
                     disable_cuda_graph=True, enable_torch_compile=compiles, attention_backend=args.attention_backend)
     T = max(args.batch_sizes) * max_len + 64
+    t0 = time.perf_counter()
     runner = ModelRunner(sa, max_total_tokens=T, max_running_requests=max(args.batch_sizes))
+    print(f"# runner built in {time.perf_counter() - t0:.1f} s", flush=True)
     if args.decode_modes:
         return bench_modes(runner, args, max_len)
     if args.decode_attention:
@@ -292,8 +295,9 @@ def bench_modes(runner: ModelRunner, args, max_len: int) -> None:
         t0 = time.perf_counter()
         if mode == "eager" or (mode == "compile" and not on_cuda):
             runners[mode] = None
-            if mode == "compile":
-                runner.init_torch_compile()
+            if mode == "compile":  # built with the runner, as at server start-up
+                if runner.compiled_forward is None:
+                    runner.init_torch_compile()
                 compiled, runner.compiled_forward = runner.compiled_forward, None
         else:
             runners[mode] = CudaGraphRunner(runner, capture_bs=capture, use_cuda_graph=on_cuda,
@@ -301,7 +305,8 @@ def bench_modes(runner: ModelRunner, args, max_len: int) -> None:
         print(f"# {mode}: set up in {time.perf_counter() - t0:.1f} s", flush=True)
     unpacked = ""
     if "compile" in args.decode_modes and not on_cuda:
-        unpacked = ", CPU weights unpacked as under --enable-torch-compile"
+        unpacked = (", CPU weights unpacked as under --enable-torch-compile (the compiled decode runs on "
+                    "inductor's frozen, packed copies)")
     print(f"# bench_one_batch --decode-modes: {args.model_path or args.preset}, {args.dtype}, {dev}, "
           f"threads={torch.get_num_threads()}, output_len={args.output_len}, attention={runner.attention_backend_name}, "
           f"weights {wbytes / 1e9:.3f} GB{unpacked}")

@@ -168,7 +168,7 @@ def _check_sizes(server_args: ServerArgs, target_len: Optional[int], report: Rep
         _budget_rows(budget, server_args, derived.context_len, report)
     if target_len is not None:
         context = ContextInfo(derived.context_len, derived.context_len_source, lambda c: loaded_model_nbytes(
-            cfg, c, device, server_args.enable_torch_compile))
+            cfg, c, device, server_args.enable_torch_compile, server_args.torch_compile_max_bs))
         fp8_cell = MHATokenToKVPool.cell_size_bytes(cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers,
                                                     torch.float8_e4m3fn)
         report.data["target"] = plan_target(target_len, inputs, context, fp8_cell, budget, error)
@@ -254,7 +254,8 @@ def _check_weights(server_args: ServerArgs, cfg: Any, device: str, report: Repor
     from srt.check_config_weights import checkpoint_size, loaded_model_nbytes
 
     # The model class first, as get_model.
-    nbytes = _scheduler_step(loaded_model_nbytes, cfg, None, device, server_args.enable_torch_compile)
+    nbytes = _scheduler_step(loaded_model_nbytes, cfg, None, device, server_args.enable_torch_compile,
+                             server_args.torch_compile_max_bs)
     if server_args.load_format == "dummy":
         report.add("weights on disk", "none", "--load-format dummy: seeded random weights", weight_bytes_disk=None)
     else:

@@ -66,13 +66,15 @@ def checkpoint_size(model_path: str) -> CheckpointSize:
 
 
 def loaded_model_nbytes(config: ModelConfig, context_len: Optional[int] = None, device: str = "cpu",
-                        enable_torch_compile: bool = False) -> int:
+                        enable_torch_compile: bool = False, torch_compile_max_bs: int = 32) -> int:
     """Bytes of parameters and buffers (rotary cos/sin included, tied weights once) of the model
     `get_model` would build, built on the meta device, plus what CPU weight packing adds on `device`
-    (a tied LM head's packed copy); `context_len` overrides the config's."""
+    (a tied LM head's packed copy; under --enable-torch-compile inductor's frozen copies);
+    `context_len` overrides the config's."""
     if context_len is not None and context_len != config.context_len:
         config = dataclasses.replace(config, context_len=context_len)
     model_cls = resolve_model_cls(config.architectures)
     with default_dtype(config.dtype), torch.device("meta"):
         model = model_cls(config)
-    return module_nbytes(model) + packing_extra_nbytes(model, device, config.dtype, enable_torch_compile)
+    return module_nbytes(model) + packing_extra_nbytes(model, device, config.dtype, enable_torch_compile,
+                                                       torch_compile_max_bs)

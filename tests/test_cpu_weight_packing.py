@@ -4,6 +4,8 @@ layout `SRT_CPU_GEMM` picks, and the switches that turn packing off."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -119,8 +121,8 @@ def test_untied_head_is_packed_and_its_dense_copy_freed(llama_model, gemm):
 
 
 def test_torch_compile_keeps_dense_weights(llama_model, caplog):
-    """inductor cannot trace an opaque oneDNN tensor, so --enable-torch-compile skips packing,
-    and says so where packing would otherwise have run (the compiled decode is then slower here)."""
+    """inductor cannot trace an opaque oneDNN tensor, so --enable-torch-compile skips packing and
+    says so where packing would otherwise have run, with the memory inductor's frozen copies take."""
     with caplog.at_level("WARNING", logger="srt.layers.cpu_weight_packing"):
         runner = make_runner(llama_model, enable_torch_compile=True)
     assert all(m.packed_weight is None and m.weight.numel() > 0 for m in _linears(runner.model))
@@ -128,7 +130,8 @@ def test_torch_compile_keeps_dense_weights(llama_model, caplog):
     would_pack = cpu_weight_packing.will_pack("cpu", runner.dtype, False)
     assert len(warned) == (1 if would_pack else 0), warned
     if would_pack:
-        assert "scripts/bench_one_batch.py" in warned[0]
+        assert "scripts/bench_one_batch.py" in warned[0] and "packs its own copy in each of its 2 graphs" in warned[0]
+        assert re.search(r"\(\+\d+\.\d\d GiB\)", warned[0]), warned[0]
 
 
 def test_no_compile_warning_when_packing_is_switched_off(llama_model, caplog, monkeypatch):

@@ -12,11 +12,12 @@ from kernels.attention import create_attention_backend, resolve_attention_backen
 from mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from srt.configs.model_config import ModelConfig
-from srt.layers.cpu_weight_packing import pack_model_weights, uses_panel_gemm, widens_bf16
+from srt.layers.cpu_weight_packing import frozen_weight_nbytes, pack_model_weights, uses_panel_gemm, widens_bf16
 from srt.layers.logits_processor import LogitsProcessorOutput
 from srt.layers.sampler import SampleOutput, Sampler
 from srt.distributed.parallel_state import all_reduce_min_int, broadcast_tensor, init_tp_group
 from srt.distributed.tp_config import check_tp_size, cpu_fraction_share, local_rank_count, num_kv_heads_per_rank
+from srt.model_executor.compile_warmup import compile_decode_forward, warmup_compiled_decode
 from srt.model_executor.cuda_graph_runner import CudaGraphRunner, graph_reserve_bytes
 from srt.model_executor.forward_batch_info import ForwardBatch
 from srt.model_executor.memory_sizing import (
@@ -72,7 +73,8 @@ class ModelRunner:
         self.attention_backend_name = resolve_attention_backend(server_args.attention_backend, self.device, self.dtype)
         pre = read_free_memory(self.device) if max_total_tokens is None else None
         self.model = get_model(self.model_config, server_args.load_format, self.device, server_args.random_seed)
-        packed = pack_model_weights(self.model, self.device, self.dtype, server_args.enable_torch_compile)
+        packed = pack_model_weights(self.model, self.device, self.dtype, server_args.enable_torch_compile,
+                                    server_args.torch_compile_max_bs)
         fast_bf16_linears = widens_bf16(self.device, self.dtype) or uses_panel_gemm(self.device, self.dtype)
         warn_slow_cpu_bf16(self.dtype, self.device, fast_weights=packed > 0 and fast_bf16_linears)
         self.kv_budget = self._agree_over_ranks(self._size_kv_pool(pre, max_total_tokens, max_running_requests))
@@ -100,10 +102,11 @@ class ModelRunner:
 
     def init_torch_compile(self) -> None:
         """torch.compile the eager decode forward (CPU, or CUDA without graphs): dynamic shapes,
-        so batch sizes and KV lengths share one compiled graph; used up to --torch-compile-max-bs."""
-        logger.info("torch.compile: decode batches up to %d use the compiled forward (the first ones compile).",
-                    self.server_args.torch_compile_max_bs)
-        self.compiled_forward = torch.compile(self.model.forward, dynamic=True)
+        so batch sizes and KV lengths share one compiled graph; used up to --torch-compile-max-bs.
+        On CPU inductor freezes the weights (`compile_warmup.py`). The graphs compile here, on a
+        dummy batch, rather than in the first requests' decode steps."""
+        self.compiled_forward = compile_decode_forward(self.model.forward, self.device)
+        warmup_compiled_decode(self)
 
     def _size_kv_pool(self, pre: Optional[MemoryReading], max_total_tokens: Optional[int],
                       max_running_requests: Optional[int]) -> KVBudget:
@@ -120,6 +123,8 @@ class ModelRunner:
             if kind == "cpu" and local_rank_count(args) > 1:
                 fraction = cpu_fraction_share(fraction, args)
             avail = free_memory_after_load(self.device, pre, self.model)
+            if args.enable_torch_compile:  # taken by the compile at the end of start-up
+                avail -= frozen_weight_nbytes(self.model, self.device, self.dtype, args.torch_compile_max_bs)
             logger.debug("Free memory before loading %d bytes (%s), after %d bytes.", pre.free_bytes,
                          pre.source, avail)
             budget = compute_kv_budget(pre.free_bytes, avail, fraction, cell, self.page_size, cfg.context_len,

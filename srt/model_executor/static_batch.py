@@ -7,14 +7,16 @@ slots exactly as the scheduler does (`alloc_extend` / `alloc_decode`, rows writt
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import TYPE_CHECKING, List, Optional, Sequence
 
 import torch
 
 from srt.layers.logits_processor import LogitsProcessorOutput
 from srt.model_executor.forward_batch_info import ForwardBatch
-from srt.model_executor.model_runner import ModelRunner
 from kernels.device_utils import host_to_device
+
+if TYPE_CHECKING:
+    from srt.model_executor.model_runner import ModelRunner
 
 
 class StaticBatch:

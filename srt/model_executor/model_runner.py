@@ -90,8 +90,8 @@ class ModelRunner:
         self.init_cuda_graphs()
 
     def init_cuda_graphs(self) -> None:
-        """Decode through `CudaGraphRunner`: captured graphs on CUDA (unless --disable-cuda-graph);
-        on CPU only with --enable-torch-compile (the runner's eager replay of compiled buckets)."""
+        """Decode through `CudaGraphRunner`'s captured graphs on CUDA (unless --disable-cuda-graph);
+        elsewhere, with --enable-torch-compile, through the compiled eager forward."""
         args = self.server_args
         on_cuda = self.device.startswith("cuda")
         self.compiled_forward = None

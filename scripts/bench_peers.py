@@ -373,9 +373,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--llama-server", type=Path, default=None, help="Path of a llama-server binary.")
     p.add_argument("--llama-cpp-dir", type=Path, default=None, help="llama.cpp tree with convert_hf_to_gguf.py.")
     p.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for every server, -t for llama.cpp.")
-    p.add_argument("--our-args", default="", help="Extra flags for launch_server (one string).")
-    p.add_argument("--transformers-args", default="", help="Extra flags for transformers serve (one string).")
-    p.add_argument("--llama-args", default="", help="Extra flags for llama-server (one string).")
+    p.add_argument("--our-args", default="", help="Extra flags for launch_server, one string; with the '=' "
+                   "when it starts with a dash: --our-args='--enable-torch-compile'.")
+    p.add_argument("--transformers-args", default="",
+                   help="Extra flags for transformers serve, one string (--transformers-args='...').")
+    p.add_argument("--llama-args", default="", help="Extra flags for llama-server, one string (--llama-args='...').")
     p.add_argument("--log-dir", type=Path, default=None, help="Server logs (default: a new temporary folder).")
     p.add_argument("--output", type=Path, default=None, help="Write every summary as JSON lines here.")
     for name, value in vars(Sizes()).items():

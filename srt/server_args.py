@@ -128,8 +128,8 @@ class ServerArgs:
         nargs="+")
     enable_torch_compile: bool = _opt(
         False, "Compile the decode forward with torch.compile (inductor): inside the CUDA graphs on CUDA; on "
-        "CPU at start-up (about a minute), with the weights frozen, so inductor keeps a packed copy of the "
-        "linear weights per graph (2 graphs) and prefill runs on dense ones.")
+        "CPU at start-up (1-2.5 minutes for a 135M model on 2 cores), with the weights frozen, so inductor "
+        "keeps a packed copy of the linear weights per graph (2 graphs) and prefill runs on dense ones.")
     torch_compile_max_bs: int = _opt(32, "Largest decode batch size that uses the torch.compile'd forward.")
     random_seed: int = _opt(0, "Seed for weights of --load-format dummy and unseeded sampling.")
     trust_remote_code: bool = _opt(False, "Allow custom model/tokenizer code from the model directory.")

@@ -259,8 +259,8 @@ def pack_model_weights(model: nn.Module, device: str, dtype: torch.dtype, enable
             logger.warning("--enable-torch-compile leaves the CPU linear weights dense for eager prefill (inductor "
                            "cannot trace our packed layouts); the compiled decode freezes them and inductor packs "
                            "its own copy in each of its %d graphs (+%.2f GiB). On the Xeon with AMX of README "
-                           "(torch.compile decode on CPU), SmolLM2-135M bf16 at batch 16 x 288 decoded in 34 ms "
-                           "compiled against 42 ms eager packed, while its prefill ran on dense weights. Measure "
+                           "(torch.compile decode on CPU), SmolLM2-135M bf16 at batch 16 x 288 decoded in 30.9 ms "
+                           "compiled against 35.9 ms eager packed, while its prefill ran on dense weights. Measure "
                            "both with scripts/bench_one_batch.py before keeping the flag.",
                            frozen_graph_count(torch_compile_max_bs),
                            frozen_weight_nbytes(model, device, dtype, torch_compile_max_bs) / 2**30)

@@ -33,7 +33,7 @@ def test_memory_estimate_counts_inductors_frozen_copies(llama_model, dtype):
     h, i, v, L = config.hidden_size, config.intermediate_size, config.vocab_size, config.num_hidden_layers
     q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
     per_layer = h * (q + 2 * kv) + q * h + 3 * h * i  # qkv, o, gate/up/down
-    copy = (L * per_layer + v * h) * torch.tensor([], dtype=config.dtype).element_size()
+    copy = (L * per_layer + v * h) * config.dtype.itemsize
     assert loaded_model_nbytes(config, device="cpu", enable_torch_compile=True) == dense + 2 * copy
     assert loaded_model_nbytes(config, device="cpu", enable_torch_compile=True, torch_compile_max_bs=1) == \
         dense + copy

@@ -6,6 +6,7 @@
     python scripts/bench_one_batch.py --preset llama-1b --dtype bfloat16 --no-hf --decode-modes eager graph
     python scripts/bench_one_batch.py --no-hf --batch-sizes 16 --input-lens 1100 --decode-attention paged torch
     python scripts/bench_one_batch.py --preset thin-30 --no-hf --batch-sizes 1 16   # fixed cost of a step
+    python scripts/bench_one_batch.py --preset thin-30 --no-hf --decode-modes modules eager   # CPU decode runner
 
 `--tp-size N` (no HF) measures decode step time at TP = 1 (this process, all threads) and at TP = N
 (N spawned ranks over gloo/NCCL, the threads split between them) on the same weights and prompts,
@@ -23,7 +24,8 @@ buffers + SDPA fallback). The table gives the median step of each and the ratio 
 `eager` (the plain forward), `graph` (the CUDA-graph runner: captured graphs on CUDA, its eager
 replay of padded static buffers on CPU, which gathers the full context width and is only a
 test path there), `compile` (as --enable-torch-compile: compiled buckets inside the graphs on
-CUDA, the dynamic-shape compiled forward on CPU). On CUDA the table adds the memory-bandwidth roofline:
+CUDA, the dynamic-shape compiled forward on CPU), `modules` (CPU: the module tree's forward, with
+the CPU decode runner of `eager` turned off). On CUDA the table adds the memory-bandwidth roofline:
 weight bytes read per decode step / --peak-bandwidth-tbs, as a fraction of the measured step.
 
 Both runtimes get the same weights (HF's seeded random init, copied into ours for presets)
@@ -127,7 +129,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKEND_CHOICES,
                    help="as launch_server's (auto = flashinfer on CUDA when installed)")
-    p.add_argument("--decode-modes", nargs="+", choices=["eager", "graph", "compile"], default=None,
+    p.add_argument("--decode-modes", nargs="+", choices=["eager", "modules", "graph", "compile"], default=None,
                    help="measure decode in each mode side by side (see the module docstring); no HF")
     p.add_argument("--peak-bandwidth-tbs", type=float, default=4.8, help="memory bandwidth for the roofline (H200: 4.8)")
     p.add_argument("--json-out", help="also write the rows as JSON here")
@@ -290,10 +292,10 @@ def bench_modes(runner: ModelRunner, args, max_len: int) -> None:
     wbytes = weight_bytes(runner)
     capture = sorted(set(args.batch_sizes))
     runners = {}
-    compiled = None
+    compiled, flat = None, runner.cpu_decode_runner
     for mode in args.decode_modes:
         t0 = time.perf_counter()
-        if mode == "eager" or (mode == "compile" and not on_cuda):
+        if mode in ("eager", "modules") or (mode == "compile" and not on_cuda):
             runners[mode] = None
             if mode == "compile":  # built with the runner, as at server start-up
                 if runner.compiled_forward is None:
@@ -320,13 +322,15 @@ def bench_modes(runner: ModelRunner, args, max_len: int) -> None:
     for L in args.input_lens:
         for bs in args.batch_sizes:
             prompts = torch.randint(3, vocab, (bs, L), generator=g).tolist()
-            base = None
+            times = {}
             for mode in args.decode_modes:
                 runner.graph_runner = runners[mode]
                 runner.compiled_forward = compiled if mode == "compile" else None
+                runner.cpu_decode_runner = None if mode == "modules" else flat
                 bench_ours(runner, prompts, 3)  # warm-up (and the first compile of this size)
-                t_pre, t_step = bench_ours(runner, prompts, args.output_len)
-                base = t_step if mode == "eager" or base is None else base
+                times[mode] = bench_ours(runner, prompts, args.output_len)
+            base = times.get("eager", times[args.decode_modes[0]])[1]
+            for mode, (t_pre, t_step) in times.items():
                 row = dict(batch=bs, input=L, mode=mode, prefill_tok_s=bs * L / t_pre, decode_tok_s=bs / t_step,
                            step_ms=t_step * 1e3, x_eager=base / t_step)
                 line = (f"| {bs} | {L} | {mode} | {row['prefill_tok_s']:,.0f} | {row['decode_tok_s']:,.1f} | "
@@ -338,6 +342,7 @@ def bench_modes(runner: ModelRunner, args, max_len: int) -> None:
                 rows.append(row)
                 print(line, flush=True)
     runner.graph_runner = runner.compiled_forward = None
+    runner.cpu_decode_runner = flat
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(rows, indent=1))
 

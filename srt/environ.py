@@ -77,6 +77,8 @@ class Envs:
     CPU_GEMM = EnvStr(PREFIX + "CPU_GEMM", "auto")
     # CPU: fused C++ RMSNorm, SiLU-and-mul and RoPE (kernels/cpu/elementwise.py) instead of torch ops.
     CPU_FUSED_OPS = EnvBool(PREFIX + "CPU_FUSED_OPS", True)
+    # CPU: decode through the bound, flat op sequence of srt/model_executor/cpu_decode_runner.py.
+    CPU_DECODE_RUNNER = EnvBool(PREFIX + "CPU_DECODE_RUNNER", True)
     # CPU: raise glibc malloc's mmap/trim thresholds so activations are reused (srt/utils/host_allocator.py).
     CPU_MALLOC_TUNING = EnvBool(PREFIX + "CPU_MALLOC_TUNING", True)
 

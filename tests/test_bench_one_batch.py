@@ -73,3 +73,20 @@ def test_thin_30_preset_is_smollm2_depth_with_little_arithmetic(tmp_path: Path) 
     assert len(rows) == 1, proc.stdout
     step_ms = float(rows[0].strip("|").split("|")[-1].replace(",", ""))
     assert step_ms > 0, rows[0]
+
+
+def test_decode_modes_modules_and_eager_rows_on_cpu() -> None:
+    """`--decode-modes modules eager`: the module tree's decode and the CPU decode runner's, with
+    the ratio column against eager even when eager is measured second."""
+    cmd = [sys.executable, str(SCRIPT), "--preset", "tiny", "--no-hf", "--device", "cpu", "--batch-sizes", "2",
+           "--input-lens", "16", "--output-len", "3", "--decode-modes", "modules", "eager", "--threads", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {}
+    for line in proc.stdout.splitlines():
+        m = re.match(r"\| 2 \| 16 \| (\w+) \|", line)
+        if m:
+            rows[m.group(1)] = [float(c.replace(",", "")) for c in line.strip("|").split("|")[3:]]
+    assert list(rows) == ["modules", "eager"], proc.stdout
+    assert rows["eager"][-1] == 1.0
+    assert rows["modules"][-1] == pytest.approx(rows["eager"][2] / rows["modules"][2], abs=0.01)

@@ -17,6 +17,7 @@ from srt.layers.logits_processor import LogitsProcessorOutput
 from srt.layers.sampler import SampleOutput, Sampler
 from srt.distributed.parallel_state import all_reduce_min_int, broadcast_tensor, init_tp_group
 from srt.distributed.tp_config import check_tp_size, cpu_fraction_share, local_rank_count, num_kv_heads_per_rank
+from srt.model_executor.cpu_decode_runner import CpuDecodeRunner
 from srt.model_executor.compile_warmup import compile_decode_forward, warmup_compiled_decode
 from srt.model_executor.cuda_graph_runner import CudaGraphRunner, graph_reserve_bytes
 from srt.model_executor.forward_batch_info import ForwardBatch
@@ -87,7 +88,9 @@ class ModelRunner:
         self.sampler = Sampler()
         self.graph_runner: Optional[CudaGraphRunner] = None
         self.compiled_forward = None
+        self.cpu_decode_runner: Optional[CpuDecodeRunner] = None
         self.init_cuda_graphs()
+        self.cpu_decode_runner = CpuDecodeRunner.maybe_create(self)
 
     def init_cuda_graphs(self) -> None:
         """Decode through `CudaGraphRunner`'s captured graphs on CUDA (unless --disable-cuda-graph);
@@ -170,6 +173,8 @@ class ModelRunner:
         if self.graph_runner is not None and self.graph_runner.can_run(fb):
             return self.graph_runner.replay(fb)
         self.attn_backend.init_forward_metadata(fb)
+        if self.cpu_decode_runner is not None and fb.forward_mode.is_decode():
+            return self.cpu_decode_runner.forward(fb)
         forward = self.model.forward
         if (self.compiled_forward is not None and fb.forward_mode.is_decode()
                 and fb.batch_size <= self.server_args.torch_compile_max_bs):

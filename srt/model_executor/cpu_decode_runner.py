@@ -1,0 +1,173 @@
+"""`CpuDecodeRunner`: a CPU decode step as one flat run of the layers' ops, without the module tree.
+
+On a GPU the CUDA graph removes the host cost of a decode step. On the CPU there is no graph, and
+the module tree's Python was a sixth of a SmolLM2-135M decode step (README, "CPU decode runner"):
+thirty layers of `nn.Module` calls, per-call dtype and device checks (`fused_ops_for`), the
+attention backend's dispatch and attribute lookups, about 180 us a layer. This runner binds each
+layer's weights, ops and KV buffers once, after the weights are packed, and a step calls the same
+ops in the same order with the same arguments as the module forward, so its logits are
+bit-identical (tests/test_cpu_decode_runner.py).
+
+It runs decode on the CPU when every layer is the Llama family's (Llama, Mistral, Qwen2's qkv bias,
+Qwen3's q/k norms), the fused C++ ops and the paged decode op serve the model's dtype, and the KV
+pool stores that dtype. It is off under --enable-torch-compile (the compiled forward runs decode)
+and with SRT_CPU_DECODE_RUNNER=0. Anything else (extend, mixed batches) runs the module forward.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Callable, List, NamedTuple, Optional
+
+import torch
+from torch import nn
+
+from kernels.attention.torch_native_backend import TorchNativeAttnBackend
+from srt.environ import envs
+from srt.layers.cpu_fused_ops import fused_ops_for
+from srt.layers.linear import LinearBase, RowParallelLinear
+from srt.layers.logits_processor import LogitsProcessorOutput
+from srt.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
+
+if TYPE_CHECKING:
+    from srt.model_executor.forward_batch_info import ForwardBatch
+    from srt.model_executor.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class _Layer(NamedTuple):
+    """One decoder layer, bound: weights, sizes, the KV buffers of its layer id."""
+    ln1: torch.Tensor
+    ln2: torch.Tensor
+    eps1: float
+    eps2: float
+    qkv: Callable[[torch.Tensor], torch.Tensor]
+    o_proj: Callable[[torch.Tensor], torch.Tensor]
+    gate_up: Callable[[torch.Tensor], torch.Tensor]
+    down: Callable[[torch.Tensor], torch.Tensor]
+    split: List[int]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    project_qk: Optional[Callable]
+    cos: torch.Tensor
+    sin: torch.Tensor
+    k_buffer: torch.Tensor
+    v_buffer: torch.Tensor
+    scaling: float
+
+
+def _bind_linear(module: LinearBase, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`module(x)` as one call: oneDNN's packed linear directly where the weight is packed in the
+    model's dtype (what `packed_linear` runs for it), the layer's own code otherwise."""
+    row_parallel = isinstance(module, RowParallelLinear)
+    if row_parallel and (module.tp_size > 1 or module.bias is not None):
+        return module.forward  # all-reduce, then the bias
+    packed, bias = module.packed_weight, module.bias
+    if packed is not None and packed.is_mkldnn and packed.dtype == dtype:
+        linear = torch.ops.mkldnn._linear_pointwise
+        return lambda x: linear(x, packed, bias, "none", [], "")
+    return lambda x: module.matmul(x, bias)
+
+
+def _unsupported(model: nn.Module) -> Optional[str]:
+    """Why the runner cannot stand in for this model's decode forward, or None."""
+    if not isinstance(model, LlamaForCausalLM) or type(model).forward is not LlamaForCausalLM.forward:
+        return f"{type(model).__name__} is not a Llama-family model"
+    if not isinstance(model.model, LlamaModel) or type(model.model).forward is not LlamaModel.forward:
+        return f"{type(model.model).__name__} has its own forward"
+    for layer in model.model.layers:
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if (not isinstance(layer, LlamaDecoderLayer) or type(layer).forward is not LlamaDecoderLayer.forward
+                or not isinstance(attn, LlamaAttention) or type(attn).forward is not LlamaAttention.forward
+                or not isinstance(mlp, LlamaMLP) or type(mlp).forward is not LlamaMLP.forward):
+            return f"layer {type(layer).__name__} differs from Llama's"
+    return None
+
+
+class CpuDecodeRunner:
+    def __init__(self, runner: "ModelRunner"):
+        model, dtype, pool = runner.model, runner.dtype, runner.token_to_kv_pool
+        self.model = model
+        self.ops = torch.ops.srt_cpu
+        self.paged_decode = runner.attn_backend.paged_decode
+        self.layers: List[_Layer] = []
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            project_qk = None if type(attn).project_qk is LlamaAttention.project_qk else attn.project_qk
+            layer_id = attn.attn.layer_id
+            self.layers.append(_Layer(
+                ln1=layer.input_layernorm.weight, ln2=layer.post_attention_layernorm.weight,
+                eps1=layer.input_layernorm.variance_epsilon, eps2=layer.post_attention_layernorm.variance_epsilon,
+                qkv=_bind_linear(attn.qkv_proj, dtype), o_proj=_bind_linear(attn.o_proj, dtype),
+                gate_up=_bind_linear(mlp.gate_up_proj, dtype), down=_bind_linear(mlp.down_proj, dtype),
+                split=[attn.q_size, attn.kv_size, attn.kv_size], num_heads=attn.num_heads,
+                num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, project_qk=project_qk,
+                cos=attn.rotary_emb.cos_cache, sin=attn.rotary_emb.sin_cache,
+                k_buffer=pool.get_key_buffer(layer_id), v_buffer=pool.get_value_buffer(layer_id),
+                scaling=attn.attn.scaling,
+            ))
+
+    @classmethod
+    def maybe_create(cls, runner: "ModelRunner") -> Optional["CpuDecodeRunner"]:
+        """The runner for this model, or None (logged at debug level: why not)."""
+        why = cls.why_not(runner)
+        if why is not None:
+            logger.debug("Decode runs through the module tree: %s.", why)
+            return None
+        decode_runner = cls(runner)
+        logger.info("CPU decode runner: %d layers bound for decode (SRT_CPU_DECODE_RUNNER=0 runs decode "
+                    "through the module tree).", len(decode_runner.layers))
+        return decode_runner
+
+    @staticmethod
+    def why_not(runner: "ModelRunner") -> Optional[str]:
+        if not envs.CPU_DECODE_RUNNER.get():
+            return "SRT_CPU_DECODE_RUNNER=0"
+        if runner.device != "cpu":
+            return f"the device is {runner.device}"
+        if runner.server_args.enable_torch_compile:
+            return "--enable-torch-compile runs decode through the compiled forward"
+        backend = runner.attn_backend
+        if not isinstance(backend, TorchNativeAttnBackend) or backend.paged_decode is None:
+            return "the C++ paged decode op does not serve this model and pool"
+        if runner.token_to_kv_pool.store_dtype != runner.dtype:
+            return f"the KV pool stores {runner.token_to_kv_pool.store_dtype}, not the model's {runner.dtype}"
+        why = _unsupported(runner.model)
+        if why is not None:
+            return why
+        layer = runner.model.model.layers[0]
+        probe = torch.empty(0, dtype=runner.dtype)
+        if fused_ops_for(probe, layer.input_layernorm.weight, layer.self_attn.rotary_emb.cos_cache) is None:
+            return "the fused C++ ops (RMSNorm, RoPE, SiLU-and-mul) do not serve this model"
+        return None
+
+    def forward(self, fb: "ForwardBatch") -> LogitsProcessorOutput:
+        """The decode forward of `LlamaForCausalLM`, op for op (the backend's metadata is set)."""
+        ops, model = self.ops, self.model
+        positions, loc = fb.positions, fb.out_cache_loc
+        req_to_token, rows, seq_lens = fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens
+        hidden = model.model.embed_tokens(fb.input_ids)
+        residual = None
+        for layer in self.layers:
+            if residual is None:
+                residual = hidden
+                hidden, _ = ops.rms_norm(hidden, None, layer.ln1, layer.eps1)
+            else:
+                hidden, residual = ops.rms_norm(hidden, residual, layer.ln1, layer.eps1)
+            q, k, v = layer.qkv(hidden).split(layer.split, dim=-1)
+            q = q.reshape(-1, layer.num_heads, layer.head_dim)
+            k = k.reshape(-1, layer.num_kv_heads, layer.head_dim)
+            if layer.project_qk is not None:
+                q, k = layer.project_qk(q, k)
+            q, k = ops.rotary_embedding(positions, q, k, layer.cos, layer.sin)
+            layer.k_buffer.index_copy_(0, loc, k)
+            layer.v_buffer.index_copy_(0, loc, v.reshape(-1, layer.num_kv_heads, layer.head_dim))
+            q = q.reshape(-1, layer.split[0]).reshape(-1, layer.num_heads, layer.head_dim)
+            out = self.paged_decode(q, layer.k_buffer, layer.v_buffer, req_to_token, rows, seq_lens, layer.scaling)
+            hidden = layer.o_proj(out.view(-1, layer.split[0]))
+            hidden, residual = ops.rms_norm(hidden, residual, layer.ln2, layer.eps2)
+            hidden = layer.down(ops.silu_and_mul(layer.gate_up(hidden)))
+        hidden, _ = model.model.norm(hidden, residual)
+        return model.logits_processor(hidden, model.lm_head, fb)

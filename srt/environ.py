@@ -79,6 +79,8 @@ class Envs:
     CPU_FUSED_OPS = EnvBool(PREFIX + "CPU_FUSED_OPS", True)
     # CPU: decode through the bound, flat op sequence of srt/model_executor/cpu_decode_runner.py.
     CPU_DECODE_RUNNER = EnvBool(PREFIX + "CPU_DECODE_RUNNER", True)
+    # CPU extend attention: auto | op (kernels/cpu's paged op) | sdpa (torch's, over gathered K/V).
+    CPU_EXTEND_ATTENTION = EnvStr(PREFIX + "CPU_EXTEND_ATTENTION", "auto")
     # CPU: raise glibc malloc's mmap/trim thresholds so activations are reused (srt/utils/host_allocator.py).
     CPU_MALLOC_TUNING = EnvBool(PREFIX + "CPU_MALLOC_TUNING", True)
 

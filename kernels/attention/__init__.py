@@ -35,7 +35,9 @@ def resolve_attention_backend(name: str, device: str, dtype=None) -> str:
     return name
 
 
-def create_attention_backend(name: str, model_runner) -> "AttentionBackend":  # noqa: F821
+def create_attention_backend(name: str, model_runner, extend_op: bool = True) -> "AttentionBackend":  # noqa: F821
+    """The backend `name` for this runner's pools; torch_native on CPU runs extend through the C++
+    op only with `extend_op` (else torch's SDPA over gathered K/V)."""
     if name == "flashinfer":
         from kernels.attention.flashinfer_backend import FlashInferAttnBackend
 
@@ -43,4 +45,5 @@ def create_attention_backend(name: str, model_runner) -> "AttentionBackend":  # 
     from kernels.attention.torch_native_backend import TorchNativeAttnBackend
 
     pool = model_runner.token_to_kv_pool
-    return TorchNativeAttnBackend(model_runner.device, q_dtype=pool.dtype, kv_dtype=pool.store_dtype)
+    return TorchNativeAttnBackend(model_runner.device, q_dtype=pool.dtype, kv_dtype=pool.store_dtype,
+                                  extend_op=extend_op)

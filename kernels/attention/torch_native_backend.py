@@ -40,14 +40,16 @@ class TorchNativeAttnBackend(AttentionBackend):
     """
 
     def __init__(self, device: "torch.device | str" = "cpu", q_dtype: Optional[torch.dtype] = None,
-                 kv_dtype: Optional[torch.dtype] = None):
+                 kv_dtype: Optional[torch.dtype] = None, extend_op: bool = True):
         """`q_dtype` and `kv_dtype` (the model's and the KV storage's) let extend and decode use
-        the C++ ops; without them both keep the torch path (the oracle that tests compare against)."""
+        the C++ ops; without them both keep the torch path (the oracle that tests compare against).
+        `extend_op=False` keeps extend on the torch path (SDPA) while decode uses the op."""
         self._graph_device = device
         if torch.device(device).type == "cuda":
             disable_cudnn_sdpa()
         self.paged_decode = None if kv_dtype is None else paged_decode_op(device, q_dtype or kv_dtype, kv_dtype)
-        self.paged_extend = None if kv_dtype is None else paged_extend_op(device, q_dtype or kv_dtype, kv_dtype)
+        self.paged_extend = (None if kv_dtype is None or not extend_op
+                             else paged_extend_op(device, q_dtype or kv_dtype, kv_dtype))
         self.extend_lens: Optional[tuple] = None  # this step's (prefix_lens, extend_lens) for the C++ op
         self.use_paged_decode = False  # this step's decode: the C++ op (False under the graph hooks)
         self.decode_indices: Optional[torch.Tensor] = None

@@ -12,6 +12,7 @@ from kernels.attention import create_attention_backend, resolve_attention_backen
 from mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from srt.configs.model_config import ModelConfig
+from srt.layers.cpu_fused_ops import cpu_extend_uses_op
 from srt.layers.cpu_weight_packing import frozen_weight_nbytes, pack_model_weights, uses_panel_gemm, widens_bf16
 from srt.layers.logits_processor import LogitsProcessorOutput
 from srt.layers.sampler import SampleOutput, Sampler
@@ -84,13 +85,23 @@ class ModelRunner:
         self.max_req_input_len = self.kv_budget.max_req_input_len
         self.max_running_requests = self.kv_budget.max_running_requests
         self.init_memory_pool(self.kv_budget.max_total_num_tokens, self.max_running_requests)
-        self.attn_backend = create_attention_backend(self.attention_backend_name, self)
+        self.attn_backend = create_attention_backend(self.attention_backend_name, self,
+                                                     extend_op=self._cpu_extend_uses_op())
         self.sampler = Sampler()
         self.graph_runner: Optional[CudaGraphRunner] = None
         self.compiled_forward = None
         self.cpu_decode_runner: Optional[CpuDecodeRunner] = None
         self.init_cuda_graphs()
         self.cpu_decode_runner = CpuDecodeRunner.maybe_create(self)
+
+    def _cpu_extend_uses_op(self) -> bool:
+        """CPU: whether extend attention runs the C++ op (`cpu_extend_uses_op`), logged when not."""
+        if self.device != "cpu" or cpu_extend_uses_op(self.dtype):
+            return True
+        logger.info("CPU extend attention: torch's SDPA over gathered K/V (%s here: its flash kernel runs on AMX "
+                    "tiles; SRT_CPU_EXTEND_ATTENTION=op runs the C++ op reading the KV pool in place).",
+                    str(self.dtype).replace("torch.", ""))
+        return False
 
     def init_cuda_graphs(self) -> None:
         """Decode through `CudaGraphRunner`'s captured graphs on CUDA (unless --disable-cuda-graph);

@@ -94,3 +94,23 @@ def test_a_layer_with_its_own_forward_is_not_bound(llama_model):
     layer = runner.model.model.layers[1]
     layer.__class__ = type("PatchedLayer", (LlamaDecoderLayer,), {"forward": lambda self, *args: args[1]})
     assert "PatchedLayer" in _unsupported(runner.model)
+
+
+def test_a_step_on_another_backend_runs_the_module_forward(llama_model):
+    """A benchmark swaps the attention backend (bench_one_batch --decode-attention): that step must
+    run the swapped backend's decode, not the op the runner bound."""
+    from kernels.attention.torch_native_backend import TorchNativeAttnBackend
+
+    runner = make_runner(llama_model)
+    bound = runner.attn_backend
+    runner.attn_backend = TorchNativeAttnBackend("cpu")  # the torch path: no paged op
+    calls = []
+    real = runner.cpu_decode_runner.forward
+    runner.cpu_decode_runner.forward = lambda fb: (calls.append(fb), real(fb))[1]
+    prompts = random_prompts(runner.model_config.vocab_size, [6, 12])
+    toks, _ = greedy_run(runner, prompts, steps=3)
+    assert calls == [] and runner.attn_backend.decode_indices is not None  # the torch path gathered
+    runner.attn_backend = bound
+    assert greedy_run(runner, prompts, steps=3)[0] == toks
+    assert len(calls) == 3
+    assert_pool_conserved(runner)

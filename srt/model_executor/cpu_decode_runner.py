@@ -11,7 +11,8 @@ bit-identical (tests/test_cpu_decode_runner.py).
 It runs decode on the CPU when every layer is the Llama family's (Llama, Mistral, Qwen2's qkv bias,
 Qwen3's q/k norms), the fused C++ ops and the paged decode op serve the model's dtype, and the KV
 pool stores that dtype. It is off under --enable-torch-compile (the compiled forward runs decode)
-and with SRT_CPU_DECODE_RUNNER=0. Anything else (extend, mixed batches) runs the module forward.
+and with SRT_CPU_DECODE_RUNNER=0. Anything else (extend, mixed batches, a step on another attention
+backend than the one bound) runs the module forward.
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ class CpuDecodeRunner:
         model, dtype, pool = runner.model, runner.dtype, runner.token_to_kv_pool
         self.model = model
         self.ops = torch.ops.srt_cpu
+        self.backend = runner.attn_backend
         self.paged_decode = runner.attn_backend.paged_decode
         self.layers: List[_Layer] = []
         for layer in model.model.layers:
@@ -142,6 +144,10 @@ class CpuDecodeRunner:
         if fused_ops_for(probe, layer.input_layernorm.weight, layer.self_attn.rotary_emb.cos_cache) is None:
             return "the fused C++ ops (RMSNorm, RoPE, SiLU-and-mul) do not serve this model"
         return None
+
+    def can_run(self, fb: "ForwardBatch") -> bool:
+        """A decode step on the backend this runner bound (a benchmark may swap the backend)."""
+        return fb.forward_mode.is_decode() and fb.attn_backend is self.backend
 
     def forward(self, fb: "ForwardBatch") -> LogitsProcessorOutput:
         """The decode forward of `LlamaForCausalLM`, op for op (the backend's metadata is set)."""

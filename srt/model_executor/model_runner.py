@@ -184,7 +184,7 @@ class ModelRunner:
         if self.graph_runner is not None and self.graph_runner.can_run(fb):
             return self.graph_runner.replay(fb)
         self.attn_backend.init_forward_metadata(fb)
-        if self.cpu_decode_runner is not None and fb.forward_mode.is_decode():
+        if self.cpu_decode_runner is not None and self.cpu_decode_runner.can_run(fb):
             return self.cpu_decode_runner.forward(fb)
         forward = self.model.forward
         if (self.compiled_forward is not None and fb.forward_mode.is_decode()

@@ -52,7 +52,7 @@ def cpu_extend_uses_op(dtype: torch.dtype) -> bool:
     rather than torch's SDPA over each request's gathered K/V (`SRT_CPU_EXTEND_ATTENTION`).
     `auto`: the op, except bf16 on a CPU with AMX tiles, where torch's flash SDPA multiplies on the
     tiles: SmolLM2-135M bf16 prefill ran 1.12-1.24x faster through it on the Xeon with AMX of
-    README ("CPU extend attention with AMX"); in fp32 the op was 1.05-1.06x faster there."""
+    README ("CPU decode runner", its extend paragraph); in fp32 the op was 1.05-1.06x faster there."""
     choice = (envs.CPU_EXTEND_ATTENTION.get() or "auto").lower()
     if choice not in EXTEND_ATTENTION_CHOICES:
         raise ValueError(f"$SRT_CPU_EXTEND_ATTENTION must be one of {', '.join(EXTEND_ATTENTION_CHOICES)}, "

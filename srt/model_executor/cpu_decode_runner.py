@@ -140,7 +140,7 @@ class CpuDecodeRunner:
         if why is not None:
             return why
         layer = runner.model.model.layers[0]
-        probe = torch.empty(0, dtype=runner.dtype)
+        probe = torch.empty(0, dtype=runner.dtype, device=runner.device)
         if fused_ops_for(probe, layer.input_layernorm.weight, layer.self_attn.rotary_emb.cos_cache) is None:
             return "the fused C++ ops (RMSNorm, RoPE, SiLU-and-mul) do not serve this model"
         return None

@@ -114,3 +114,18 @@ def test_a_step_on_another_backend_runs_the_module_forward(llama_model):
     assert greedy_run(runner, prompts, steps=3)[0] == toks
     assert len(calls) == 3
     assert_pool_conserved(runner)
+
+
+def test_runner_follows_the_kv_buffers_a_cache_flush_replaces(llama_model):
+    """`/flush_cache` gives an empty CPU pool's pages back by replacing its buffers
+    (`release_host_pages`): the runner must write and read the new ones, not the old."""
+    runner = make_runner(llama_model)
+    off = make_runner(llama_model)
+    off.cpu_decode_runner = None
+    prompts = random_prompts(runner.model_config.vocab_size, [8, 19])
+    before = greedy_run(runner, prompts, steps=5)[0]
+    old = runner.token_to_kv_pool.k_buffer[0]
+    assert runner.token_to_kv_pool.release_host_pages()
+    assert runner.token_to_kv_pool.k_buffer[0] is not old
+    assert greedy_run(runner, prompts, steps=5)[0] == before == greedy_run(off, prompts, steps=5)[0]
+    assert_pool_conserved(runner)

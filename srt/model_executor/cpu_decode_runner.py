@@ -4,7 +4,7 @@ On a GPU the CUDA graph removes the host cost of a decode step. On the CPU there
 the module tree's Python was a sixth of a SmolLM2-135M decode step (README, "CPU decode runner"):
 thirty layers of `nn.Module` calls, per-call dtype and device checks (`fused_ops_for`), the
 attention backend's dispatch and attribute lookups, about 180 us a layer. This runner binds each
-layer's weights, ops and KV buffers once, after the weights are packed, and a step calls the same
+layer's weights and ops once, after the weights are packed, and a step calls the same
 ops in the same order with the same arguments as the module forward, so its logits are
 bit-identical (tests/test_cpu_decode_runner.py).
 
@@ -38,7 +38,8 @@ logger = logging.getLogger(__name__)
 
 
 class _Layer(NamedTuple):
-    """One decoder layer, bound: weights, sizes, the KV buffers of its layer id."""
+    """One decoder layer, bound: weights, sizes, its layer id (the KV buffers are looked up per step:
+    a cache flush replaces them, `release_host_pages`)."""
     ln1: torch.Tensor
     ln2: torch.Tensor
     eps1: float
@@ -54,8 +55,7 @@ class _Layer(NamedTuple):
     project_qk: Optional[Callable]
     cos: torch.Tensor
     sin: torch.Tensor
-    k_buffer: torch.Tensor
-    v_buffer: torch.Tensor
+    layer_id: int
     scaling: float
 
 
@@ -89,7 +89,7 @@ def _unsupported(model: nn.Module) -> Optional[str]:
 
 class CpuDecodeRunner:
     def __init__(self, runner: "ModelRunner"):
-        model, dtype, pool = runner.model, runner.dtype, runner.token_to_kv_pool
+        model, dtype = runner.model, runner.dtype
         self.model = model
         self.ops = torch.ops.srt_cpu
         self.backend = runner.attn_backend
@@ -107,8 +107,7 @@ class CpuDecodeRunner:
                 split=[attn.q_size, attn.kv_size, attn.kv_size], num_heads=attn.num_heads,
                 num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, project_qk=project_qk,
                 cos=attn.rotary_emb.cos_cache, sin=attn.rotary_emb.sin_cache,
-                k_buffer=pool.get_key_buffer(layer_id), v_buffer=pool.get_value_buffer(layer_id),
-                scaling=attn.attn.scaling,
+                layer_id=layer_id, scaling=attn.attn.scaling,
             ))
 
     @classmethod
@@ -154,6 +153,7 @@ class CpuDecodeRunner:
         ops, model = self.ops, self.model
         positions, loc = fb.positions, fb.out_cache_loc
         req_to_token, rows, seq_lens = fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens
+        k_buffers, v_buffers = fb.token_to_kv_pool.k_buffer, fb.token_to_kv_pool.v_buffer
         hidden = model.model.embed_tokens(fb.input_ids)
         residual = None
         for layer in self.layers:
@@ -168,10 +168,11 @@ class CpuDecodeRunner:
             if layer.project_qk is not None:
                 q, k = layer.project_qk(q, k)
             q, k = ops.rotary_embedding(positions, q, k, layer.cos, layer.sin)
-            layer.k_buffer.index_copy_(0, loc, k)
-            layer.v_buffer.index_copy_(0, loc, v.reshape(-1, layer.num_kv_heads, layer.head_dim))
+            k_buffer, v_buffer = k_buffers[layer.layer_id], v_buffers[layer.layer_id]
+            k_buffer.index_copy_(0, loc, k)
+            v_buffer.index_copy_(0, loc, v.reshape(-1, layer.num_kv_heads, layer.head_dim))
             q = q.reshape(-1, layer.split[0]).reshape(-1, layer.num_heads, layer.head_dim)
-            out = self.paged_decode(q, layer.k_buffer, layer.v_buffer, req_to_token, rows, seq_lens, layer.scaling)
+            out = self.paged_decode(q, k_buffer, v_buffer, req_to_token, rows, seq_lens, layer.scaling)
             hidden = layer.o_proj(out.view(-1, layer.split[0]))
             hidden, residual = ops.rms_norm(hidden, residual, layer.ln2, layer.eps2)
             hidden = layer.down(ops.silu_and_mul(layer.gate_up(hidden)))

@@ -28,7 +28,7 @@ CUDA, the dynamic-shape compiled forward on CPU), `modules` (CPU: the module tre
 the CPU decode runner of `eager` turned off). On CUDA the table adds the memory-bandwidth roofline:
 weight bytes read per decode step / --peak-bandwidth-tbs, as a fraction of the measured step.
 
-Both runtimes get the same weights (HF's seeded random init, copied into ours for presets)
+Both runtimes get the same weights (HF's seeded random init, saved and loaded by ours for presets)
 and the same inputs; the table prints tokens/s and our/HF ratios measured in one run.
 """
 
@@ -148,10 +148,17 @@ def main() -> None:
     tmp = tempfile.TemporaryDirectory()
     steps = (args.output_len + 1) * len(args.decode_attention) if args.decode_attention else args.output_len
     max_len = max(args.input_lens) + steps + 8
+    hf = None
+    hf_side = not (args.no_hf or args.decode_modes or args.decode_attention or args.tp_size > 1)
     if args.model_path:
         path, load_format = args.model_path, "auto"
     else:
         path, load_format = str(write_preset(args.preset, Path(tmp.name), max(4096, max_len))), "dummy"
+        if hf_side:  # HF's seeded init, saved and loaded by ours like any checkpoint: same weights
+            torch.manual_seed(0)
+            hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
+            hf.save_pretrained(path)
+            load_format = "auto"
     # Graphs are built per mode below. A compile mode builds the runner as --enable-torch-compile
     # does (CPU linear weights left unpacked: the compiled forward cannot trace oneDNN's opaque
     # packed tensors, it freezes the dense ones), so every mode of the run measures that same model;
@@ -170,14 +177,9 @@ def main() -> None:
     if args.tp_size > 1:
         del runner
         return bench_tp(args, path, load_format, T)
-    hf = None
-    if not args.no_hf:
-        torch.manual_seed(0)
-        if args.model_path:
+    if hf_side:
+        if hf is None:
             hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-        else:
-            hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
-            runner.model.load_weights(hf.state_dict().items())  # same weights on both sides
         hf = hf.to(runner.device).eval()
     vocab = runner.model_config.vocab_size
     name = args.model_path or args.preset

@@ -90,3 +90,16 @@ def test_decode_modes_modules_and_eager_rows_on_cpu() -> None:
     assert list(rows) == ["modules", "eager"], proc.stdout
     assert rows["eager"][-1] == 1.0
     assert rows["modules"][-1] == pytest.approx(rows["eager"][2] / rows["modules"][2], abs=0.01)
+
+
+def test_a_preset_against_hf_loads_the_same_weights_into_ours() -> None:
+    """The default run (a preset with the HF side): HF's seeded init is saved and loaded by ours
+    (copying it into the model after start-up failed once the CPU weights were packed)."""
+    cmd = [sys.executable, str(SCRIPT), "--preset", "tiny", "--device", "cpu", "--batch-sizes", "2",
+           "--input-lens", "16", "--output-len", "3", "--threads", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| 2 | 16 |")]
+    assert len(rows) == 1, proc.stdout
+    cells = [float(c.replace(",", "")) for c in rows[0].strip("|").split("|")[2:]]
+    assert len(cells) == 7 and all(v > 0 for v in cells), rows[0]  # ours, HF and the ratios

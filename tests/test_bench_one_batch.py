@@ -33,6 +33,16 @@ def test_shared_prefix_decode_attention_rows_for_every_implementation() -> None:
     assert all(t > 0 for t in times), rows[0]
 
 
+def _mode_rows(stdout: str) -> dict:
+    """`--decode-modes` rows of batch 2 x input 16: mode -> its numeric cells, in printed order."""
+    rows = {}
+    for line in stdout.splitlines():
+        m = re.match(r"\| 2 \| 16 \| (\w+) \|", line)
+        if m:
+            rows[m.group(1)] = [float(c.replace(",", "")) for c in line.strip("|").split("|")[3:]]
+    return rows
+
+
 def test_decode_modes_eager_and_compile_rows_on_cpu() -> None:
     """`--decode-modes eager compile` on CPU: the compiled forward runs over weights left unpacked,
     as --enable-torch-compile leaves them (over oneDNN's packed weights it raised while tracing)."""
@@ -41,11 +51,7 @@ def test_decode_modes_eager_and_compile_rows_on_cpu() -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "CPU weights unpacked as under --enable-torch-compile" in proc.stdout
-    rows = {}
-    for line in proc.stdout.splitlines():
-        m = re.match(r"\| 2 \| 16 \| (\w+) \|", line)
-        if m:
-            rows[m.group(1)] = [float(c.replace(",", "")) for c in line.strip("|").split("|")[3:]]
+    rows = _mode_rows(proc.stdout)
     assert sorted(rows) == ["compile", "eager"], proc.stdout
     assert rows["eager"][-1] == 1.0  # the ratio column is against eager
     assert all(v > 0 for cells in rows.values() for v in cells), rows
@@ -82,11 +88,7 @@ def test_decode_modes_modules_and_eager_rows_on_cpu() -> None:
            "--input-lens", "16", "--output-len", "3", "--decode-modes", "modules", "eager", "--threads", "1"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = {}
-    for line in proc.stdout.splitlines():
-        m = re.match(r"\| 2 \| 16 \| (\w+) \|", line)
-        if m:
-            rows[m.group(1)] = [float(c.replace(",", "")) for c in line.strip("|").split("|")[3:]]
+    rows = _mode_rows(proc.stdout)
     assert list(rows) == ["modules", "eager"], proc.stdout
     assert rows["eager"][-1] == 1.0
     assert rows["modules"][-1] == pytest.approx(rows["eager"][2] / rows["modules"][2], abs=0.01)

@@ -16,8 +16,9 @@ step (2 per layer, plus the embedding's and the LM head's gather) is visible.
 `--decode-attention paged torch` (CPU) compares decode attention implementations on one prefilled
 batch, alternating them step by step so that both see the same lengths and the same machine load:
 `paged` (the C++ op reading the KV pool in place, kernels/cpu), `paged-unshared` (the same op
-reading a prefix shared by several requests once per request) and `torch` (the gather into padded
-buffers + SDPA fallback). The table gives the median step of each and the ratio to the first.
+reading a prefix shared by several requests once per request), `paged-fp32-tiles` (the same op
+scoring bf16 KV through fp32 copies of the rows, as before its AVX512-BF16 path) and `torch` (the
+gather into padded buffers + SDPA fallback). The table gives the median step of each and the ratio to the first.
 `--shared-prefix LEN GROUPS` makes the requests of each group share their first LEN slots.
 
 `--decode-modes` measures decode once per mode, side by side on the same runner and inputs:
@@ -134,7 +135,8 @@ def main() -> None:
     p.add_argument("--peak-bandwidth-tbs", type=float, default=4.8, help="memory bandwidth for the roofline (H200: 4.8)")
     p.add_argument("--json-out", help="also write the rows as JSON here")
     p.add_argument("--tp-size", type=int, default=1, help="compare decode at TP = 1 and TP = this (see above)")
-    p.add_argument("--decode-attention", nargs="+", choices=["paged", "paged-unshared", "torch"], default=None,
+    p.add_argument("--decode-attention", nargs="+", default=None,
+                   choices=["paged", "paged-unshared", "paged-fp32-tiles", "torch"],
                    help="CPU: compare decode attention implementations step by step (see above); no HF")
     p.add_argument("--random-prompt-kv", action="store_true",
                    help="with --decode-attention: random prompt K/V instead of a prefill (same decode cost)")
@@ -398,6 +400,8 @@ def bench_decode_attention(runner: ModelRunner, args) -> None:
     if backends["paged"].paged_decode is None:
         sys.exit("the C++ paged decode op is unavailable here (CUDA device, fp8/fp16 KV, or no build): see the log")
     backends["paged-unshared"].paged_decode = functools.partial(backends["paged"].paged_decode, share_prefixes=False)
+    backends["paged-fp32-tiles"] = TorchNativeAttnBackend(runner.device, pool.dtype, pool.store_dtype)
+    backends["paged-fp32-tiles"].paged_decode = functools.partial(backends["paged"].paged_decode, bf16_dot=False)
     impls = args.decode_attention
     shared, groups = args.shared_prefix or (0, 0)
     if groups and not args.random_prompt_kv:

@@ -20,7 +20,8 @@ SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_one_batch.p
                     reason="the C++ CPU kernels did not build here")
 def test_shared_prefix_decode_attention_rows_for_every_implementation() -> None:
     cmd = [sys.executable, str(SCRIPT), "--preset", "tiny", "--no-hf", "--batch-sizes", "5", "--input-lens", "300",
-           "--output-len", "2", "--decode-attention", "paged", "paged-unshared", "torch", "--random-prompt-kv",
+           "--output-len", "2", "--decode-attention", "paged", "paged-unshared", "paged-fp32-tiles", "torch",
+           "--random-prompt-kv",
            "--shared-prefix", "260", "2", "--threads", "1"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     # A leaked or doubly freed slot raises after the batch is released (the script checks the pool).
@@ -29,8 +30,8 @@ def test_shared_prefix_decode_attention_rows_for_every_implementation() -> None:
     rows = [line for line in proc.stdout.splitlines() if re.match(r"\| 5 \| 300 \|", line)]
     assert len(rows) == 1, proc.stdout
     cells = [c.strip() for c in rows[0].strip("|").split("|")]
-    times = [float(c) for c in cells[2:8]]  # step and CPU ms for paged, paged-unshared, torch
-    assert all(t > 0 for t in times), rows[0]
+    times = [float(c) for c in cells[2:10]]  # step and CPU ms for paged, paged-unshared, paged-fp32-tiles, torch
+    assert len(times) == 8 and all(t > 0 for t in times), rows[0]
 
 
 def _mode_rows(stdout: str) -> dict:

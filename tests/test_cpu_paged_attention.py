@@ -273,3 +273,26 @@ def test_a_missing_compiler_falls_back_without_trying_to_build(monkeypatch, capl
     with caplog.at_level(logging.WARNING, logger=build.__name__):
         assert build.load_cpu_kernels.__wrapped__() is False
     assert "/nonexistent/c++" in caplog.text and "torch path" in caplog.text
+
+
+# bf16 queries and KV take the op's bf16 path where the CPU has AVX512-BF16 (K rows transposed by
+# pairs and scored with vdpbf16ps, V rows read in place): every query-row tile (1-4 rows per kv
+# head, and more through shared members), head dims of one, two and four 32-element pair blocks,
+# and blocks cut short by a request's end.
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(2, 2, 64), (4, 2, 64), (9, 3, 64), (8, 2, 128), (10, 2, 32),
+                                                 (12, 2, 64)])
+def test_bf16_decode_every_group_and_head_dim_matches_dense_attention(op, page_size, heads, kv_heads, dim):
+    lens = LENGTHS["ragged"]
+    layout = make_layout(lens, page_size, kv_heads, dim, dtype=BF16, seed=heads + dim)
+    q = (torch.randn(len(lens), heads, dim) * 2).to(BF16)
+    scale = dim**-0.5
+    out = op(q, layout.k, layout.v, layout.req_to_token, layout.rows, layout.seq_lens, scale)
+    want = dense_attention(q, layout, scale)
+    # Exact bf16 products summed in fp32, then one rounding to bf16: within a bf16 ulp or two.
+    err = (out.double() - want).abs()
+    assert (err <= 2**-7 * want.abs() + 2e-3).all(), f"max error {err.max().item():.2e}"
+    for b in (0, 4, 7):
+        alone = op(q[b : b + 1], layout.k, layout.v, layout.req_to_token, layout.rows[b : b + 1],
+                   layout.seq_lens[b : b + 1], scale)
+        assert torch.equal(alone[0], out[b]), f"row {b} depends on the rows beside it"

@@ -1,11 +1,13 @@
 """Paged decode and extend attention that read the KV pool in place: when the C++ ops serve a backend.
 
 `torch.ops.srt_cpu.paged_decode_attention(q, k_buffer, v_buffer, req_to_token,
-req_pool_indices, seq_lens, scale, share_prefixes=True)`: q `[bs, heads, head_dim]` attends, per
-request b, to the KV slots `req_to_token[req_pool_indices[b], :seq_lens[b]]`; returns
+req_pool_indices, seq_lens, scale, share_prefixes=True, bf16_dot=True)`: q `[bs, heads, head_dim]`
+attends, per request b, to the KV slots `req_to_token[req_pool_indices[b], :seq_lens[b]]`; returns
 `[bs, heads, head_dim]`. With `share_prefixes`, requests whose rows hold the same slots over a
 split of keys (a prefix the radix cache shares) read those K/V rows once together; each request's
-result is bit for bit what it is alone.
+result is bit for bit what it is alone. With `bf16_dot`, bf16 q and KV on a CPU with AVX512-BF16
+are scored with bf16 dot products on the K rows in place (csrc/bf16_dot_tiles.h) instead of
+fp32 copies of them; False keeps the fp32 tiles (for side-by-side measurements).
 
 `torch.ops.srt_cpu.paged_extend_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices,
 prefix_lens, extend_lens, scale)`: q `[tokens, heads, head_dim]` holds each request's new tokens,
@@ -56,7 +58,7 @@ def _load() -> bool:
 
 
 def _paged_decode_attention_fake(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, scale,
-                                 share_prefixes=True):
+                                 share_prefixes=True, bf16_dot=True):
     return q.new_empty(q.shape)
 
 

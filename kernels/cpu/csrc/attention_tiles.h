@@ -156,9 +156,9 @@ inline void softmax_block(float* sc, float* acc, float& row_max, float& row_sum,
 }
 
 // acc[r][d0, d0 + V * kLanes) += sum_j p[r][j] * v[j][...] for R rows: R x V accumulators kept
-// in registers across the keys, each value vector loaded once per R rows.
-template <int R, int V>
-inline void value_tile(const float* const* p, const float* const* v, float* const* acc, int64_t n, int64_t d0) {
+// in registers across the keys, each value vector loaded (bf16 rows: widened) once per R rows.
+template <int R, int V, typename v_t>
+inline void value_tile(const float* const* p, const v_t* const* v, float* const* acc, int64_t n, int64_t d0) {
   vfloat a[R][V];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < V; ++c) a[r][c] = vload(acc[r] + d0 + c * kLanes);
@@ -176,21 +176,22 @@ inline void value_tile(const float* const* p, const float* const* v, float* cons
 
 // acc[r] += sum_j p[r][j] * v[j] for `rows` rows over keys [0, n): two rows and four vectors of
 // the head dim at a time, then single vectors, then a scalar tail.
-template <int R>
-inline void value_rows_of(const float* const* p, const float* const* v, float* const* acc, int64_t n, int64_t dim) {
+template <int R, typename v_t>
+inline void value_rows_of(const float* const* p, const v_t* const* v, float* const* acc, int64_t n, int64_t dim) {
   int64_t d0 = 0;
-  for (; d0 + 4 * kLanes <= dim; d0 += 4 * kLanes) value_tile<R, 4>(p, v, acc, n, d0);
-  for (; d0 + kLanes <= dim; d0 += kLanes) value_tile<R, 1>(p, v, acc, n, d0);
+  for (; d0 + 4 * kLanes <= dim; d0 += 4 * kLanes) value_tile<R, 4, v_t>(p, v, acc, n, d0);
+  for (; d0 + kLanes <= dim; d0 += kLanes) value_tile<R, 1, v_t>(p, v, acc, n, d0);
   for (; d0 < dim; ++d0) {
     for (int r = 0; r < R; ++r) {
       float a = acc[r][d0];
-      for (int64_t j = 0; j < n; ++j) a += p[r][j] * v[j][d0];
+      for (int64_t j = 0; j < n; ++j) a += p[r][j] * to_float(v[j][d0]);
       acc[r][d0] = a;
     }
   }
 }
 
-inline void value_rows(const float* const* p, const float* const* v, float* const* acc, int64_t rows, int64_t n,
+template <typename v_t>
+inline void value_rows(const float* const* p, const v_t* const* v, float* const* acc, int64_t rows, int64_t n,
                        int64_t dim) {
   int64_t r = 0;
   for (; r + 2 <= rows; r += 2) value_rows_of<2>(p + r, v, acc + r, n, dim);

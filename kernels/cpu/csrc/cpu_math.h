@@ -57,12 +57,19 @@ typedef uint16_t vhalf __attribute__((vector_size(kLanes * sizeof(uint16_t))));
 // kLanes consecutive values as fp32: fp32 as is; bf16 widened in registers (bf16 is the upper
 // half of an fp32: zero-extend, shift left by 16).
 inline vfloat vload(const c10::BFloat16* p) {
+#if defined(__AVX512F__)
+  // One 512-bit zero-extend: the generic conversion below compiled to two 256-bit halves and an
+  // insert under GCC's 256-bit preference for this CPU.
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return (vfloat)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+#else
   vhalf bits;
   std::memcpy(&bits, p, sizeof(bits));
   const vuint wide = __builtin_convertvector(bits, vuint) << 16;
   vfloat out;
   std::memcpy(&out, &wide, sizeof(out));
   return out;
+#endif
 }
 
 // Every lane = x, as one broadcast instruction where there are intrinsics for it (the generic
@@ -125,43 +132,78 @@ inline float vsum(vfloat v) {
   return (h[0] + h[1]) + (h[2] + h[3]);
 }
 
-// Store kLanes floats as bf16, rounding to nearest even (NaN stays a quiet NaN), as c10 does.
-inline void vstore(c10::BFloat16* p, vfloat v) {
+// kLanes floats rounded to bf16 (to nearest even; NaN stays a quiet NaN), as c10 rounds: the bf16
+// bits in the low half of each lane.
+inline vuint vbf16_bits(vfloat v) {
   vuint bits;
   std::memcpy(&bits, &v, sizeof(bits));
   const vuint rounded = (bits + (((bits >> 16) & 1) + 0x7FFFu)) >> 16;
   const vuint is_nan = reinterpret_cast<vuint>(v != v);  // all ones where NaN
-  const vuint out = (rounded & ~is_nan) | ((vuint{} + 0x7FC0u) & is_nan);
-  const vhalf narrow = __builtin_convertvector(out, vhalf);
+  return (rounded & ~is_nan) | ((vuint{} + 0x7FC0u) & is_nan);
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// With AVX512-BF16 one instruction rounds sixteen lanes to nearest even (NaN then keeps its sign
+// and payload, so NaN lanes are set to c10's 0x7FC0 after).
+inline __m256i vbf16_narrow(vfloat v) {
+  const __m512 x = (__m512)v;
+  const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(x);
+  const __mmask16 is_nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  return _mm256_mask_mov_epi16(rounded, is_nan, _mm256_set1_epi16(0x7FC0));
+}
+
+inline void vstore(c10::BFloat16* p, vfloat v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), vbf16_narrow(v)); }
+
+inline vfloat vround(vfloat v, c10::BFloat16 /*tag*/) {
+  return (vfloat)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(vbf16_narrow(v)), 16));
+}
+#else
+// Store kLanes floats as bf16.
+inline void vstore(c10::BFloat16* p, vfloat v) {
+  const vhalf narrow = __builtin_convertvector(vbf16_bits(v), vhalf);
   std::memcpy(p, &narrow, sizeof(narrow));
 }
 
-// Rows of n values to and from fp32 buffers, whole vectors then a scalar tail.
+inline vfloat vround(vfloat v, c10::BFloat16 /*tag*/) {
+  const vuint wide = vbf16_bits(v) << 16;
+  vfloat out;
+  std::memcpy(&out, &wide, sizeof(out));
+  return out;
+}
+#endif
+
+// v as stored in fp32 and read back: itself, but computed on its own. The empty asm keeps the
+// compiler from fusing the operation that made v into a later add (-ffp-contract=fast), which
+// would skip the rounding a torch op's stored result has.
+inline vfloat vround(vfloat v, float /*tag*/) {
+#if defined(__AVX__)
+  __asm__("" : "+x"(v));
+#elif defined(__aarch64__)
+  __asm__("" : "+w"(v));
+#else
+  __asm__("" : "+m"(v));
+#endif
+  return v;
+}
+
+// The same for one float.
+inline float vround(float x) {
+#if defined(__x86_64__) || defined(__i386__)
+  __asm__("" : "+x"(x));
+#elif defined(__aarch64__)
+  __asm__("" : "+w"(x));
+#else
+  __asm__("" : "+m"(x));
+#endif
+  return x;
+}
+
+// A row of n values into an fp32 buffer, whole vectors then a scalar tail.
 template <typename T>
 inline void load_row(const T* src, float* dst, int64_t n) {
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) vstore(dst + i, vload(src + i));
   for (; i < n; ++i) dst[i] = to_float(src[i]);
-}
-
-template <typename T>
-inline void store_row(T* dst, const float* src, int64_t n) {
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) vstore(dst + i, vload(src + i));
-  for (; i < n; ++i) dst[i] = from_float<T>(src[i]);
-}
-
-// What storing the row in T and reading it back gives: nothing to do for fp32, bf16 rounding.
-inline void round_row(float* /*row*/, int64_t /*n*/, float /*tag*/) {}
-
-inline void round_row(float* row, int64_t n, c10::BFloat16 /*tag*/) {
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    c10::BFloat16 tmp[kLanes];
-    vstore(tmp, vload(row + i));
-    vstore(row + i, vload(tmp));
-  }
-  for (; i < n; ++i) row[i] = to_float(from_float<c10::BFloat16>(row[i]));
 }
 
 // Run `body(i, state)` for i in [0, n) on torch's intra-op threads, handing out indices one at a

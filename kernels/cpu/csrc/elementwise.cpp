@@ -1,8 +1,10 @@
 // Fused element-wise ops of a decoder layer on the CPU: RMSNorm (with the residual add), SiLU-and-mul
 // and neox-style RoPE. Each replaces several torch ops that each read and wrote the whole
-// activation (a prefill's gate/up output is tokens x 2 x intermediate), with one pass per row.
-// They round where the torch ops they replace round (every torch op on bf16 stores bf16), so
-// results equal the torch path up to the order of the RMS sum.
+// activation (a prefill's gate/up output is tokens x 2 x intermediate), with one pass per row
+// (RMSNorm: two) that reads and writes the tensors directly, vector by vector, with no fp32 row
+// buffers. They round where the torch ops they replace round (every torch op on bf16 stores bf16;
+// srt_cpu::vround does it in registers), so results equal the torch path up to the order of the
+// RMS sum and of the exp.
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -18,14 +20,24 @@ namespace {
 
 using srt_cpu::kLanes;
 using srt_cpu::load_row;
-using srt_cpu::round_row;
-using srt_cpu::store_row;
 using srt_cpu::vfloat;
 using srt_cpu::vload;
 using srt_cpu::vstore;
 
 // Rows of work per parallel chunk: enough that a chunk outweighs the hand-off.
 constexpr int64_t kGrainRows = 4;
+
+// x stored in T and read back; for fp32 computed on its own, not fused into a later add (see
+// srt_cpu::vround).
+template <typename T>
+inline float rounded(float x) {
+  return srt_cpu::to_float(srt_cpu::from_float<T>(x));
+}
+
+template <>
+inline float rounded<float>(float x) {
+  return srt_cpu::vround(x);
+}
 
 // Call `fn` with a value of the element type: float or c10::BFloat16 (check_rows allows no other).
 template <typename Fn>
@@ -46,35 +58,60 @@ void check_rows(const at::Tensor& t, const char* name) {
 
 // ----------------------------------------------------------------------------------------- RMSNorm
 // out = weight * T(x * rsqrt(mean(x^2) + eps)), the normalisation in fp32; with a residual, x is
-// first T(x + residual) and is also returned as the new residual.
+// first T(x + residual) and is also returned as the new residual. Two passes over each row straight
+// from and to the tensors (no fp32 row buffers): the sum of squares (writing the new residual),
+// then the scaling. The rounded row the second pass needs is what the first stored (the new
+// residual) or x itself.
 template <typename T>
 void rms_norm_rows(const T* x, const T* residual, const T* weight, T* out, T* new_residual, int64_t rows,
                    int64_t hidden, int64_t x_s0, int64_t r_s0, double eps) {
   std::vector<float> w(hidden);
   load_row(weight, w.data(), hidden);
+  const int64_t body = hidden - hidden % (2 * kLanes);
   at::parallel_for(0, rows, kGrainRows, [&](int64_t begin, int64_t end) {
-    std::vector<float> row(hidden), other(hidden);
     for (int64_t i = begin; i < end; ++i) {
-      load_row(x + i * x_s0, row.data(), hidden);
+      const T* src = x + i * x_s0;
+      // Two accumulators: the sum is not one long chain of dependent adds.
+      vfloat acc0 = {}, acc1 = {};
+      float tail = 0.0f;
       if (residual != nullptr) {
-        load_row(residual + i * r_s0, other.data(), hidden);
-        for (int64_t d = 0; d < hidden; ++d) row[d] += other[d];
-        round_row(row.data(), hidden, T());
-        store_row(new_residual + i * hidden, row.data(), hidden);
+        const T* res = residual + i * r_s0;
+        T* dst = new_residual + i * hidden;
+        int64_t d = 0;
+        for (; d < body; d += 2 * kLanes) {
+          const vfloat a = srt_cpu::vround(vload(src + d) + vload(res + d), T());
+          const vfloat b = srt_cpu::vround(vload(src + d + kLanes) + vload(res + d + kLanes), T());
+          vstore(dst + d, a);
+          vstore(dst + d + kLanes, b);
+          acc0 += a * a;
+          acc1 += b * b;
+        }
+        for (; d < hidden; ++d) {
+          const T v = srt_cpu::from_float<T>(srt_cpu::to_float(src[d]) + srt_cpu::to_float(res[d]));
+          dst[d] = v;
+          tail += srt_cpu::to_float(v) * srt_cpu::to_float(v);
+        }
+        src = dst;
+      } else {
+        int64_t d = 0;
+        for (; d < body; d += 2 * kLanes) {
+          const vfloat a = vload(src + d), b = vload(src + d + kLanes);
+          acc0 += a * a;
+          acc1 += b * b;
+        }
+        for (; d < hidden; ++d) tail += srt_cpu::to_float(src[d]) * srt_cpu::to_float(src[d]);
       }
-      vfloat acc = {};
+      const float sum = srt_cpu::vsum(acc0 + acc1) + tail;
+      const float inv = 1.0f / std::sqrt(sum / static_cast<float>(hidden) + static_cast<float>(eps));
+      T* o = out + i * hidden;
       int64_t d = 0;
       for (; d + kLanes <= hidden; d += kLanes) {
-        const vfloat v = vload(row.data() + d);
-        acc += v * v;
+        vstore(o + d, srt_cpu::vround(vload(src + d) * inv, T()) * vload(w.data() + d));
       }
-      float sum = srt_cpu::vsum(acc);
-      for (; d < hidden; ++d) sum += row[d] * row[d];
-      const float inv = 1.0f / std::sqrt(sum / static_cast<float>(hidden) + static_cast<float>(eps));
-      for (d = 0; d < hidden; ++d) row[d] *= inv;
-      round_row(row.data(), hidden, T());
-      for (d = 0; d < hidden; ++d) row[d] *= w[d];
-      store_row(out + i * hidden, row.data(), hidden);
+      for (; d < hidden; ++d) {
+        const float normed = srt_cpu::to_float(srt_cpu::from_float<T>(srt_cpu::to_float(src[d]) * inv));
+        o[d] = srt_cpu::from_float<T>(normed * w[d]);
+      }
     }
   });
 }
@@ -107,23 +144,24 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const c10::opti
 }
 
 // ------------------------------------------------------------------------------------ SiLU and mul
-// x [rows, 2 * d] -> T(T(silu(gate)) * up), gate = x[:, :d], up = x[:, d:].
+// x [rows, 2 * d] -> T(T(silu(gate)) * up), gate = x[:, :d], up = x[:, d:]; one pass, in registers.
 template <typename T>
 void silu_and_mul_rows(const T* x, T* out, int64_t rows, int64_t d, int64_t x_s0) {
   at::parallel_for(0, rows, kGrainRows, [&](int64_t begin, int64_t end) {
-    std::vector<float> gate(d), up(d);
     for (int64_t i = begin; i < end; ++i) {
-      load_row(x + i * x_s0, gate.data(), d);
-      load_row(x + i * x_s0 + d, up.data(), d);
+      const T* gate = x + i * x_s0;
+      const T* up = gate + d;
+      T* o = out + i * d;
       int64_t e = 0;
       for (; e + kLanes <= d; e += kLanes) {
-        const vfloat g = vload(gate.data() + e);
-        vstore(gate.data() + e, g / (1.0f + srt_cpu::vexp(-g)));
+        const vfloat g = vload(gate + e);
+        vstore(o + e, srt_cpu::vround(g / (1.0f + srt_cpu::vexp(-g)), T()) * vload(up + e));
       }
-      for (; e < d; ++e) gate[e] = gate[e] / (1.0f + std::exp(-gate[e]));
-      round_row(gate.data(), d, T());
-      for (e = 0; e < d; ++e) gate[e] *= up[e];
-      store_row(out + i * d, gate.data(), d);
+      for (; e < d; ++e) {
+        const float g = srt_cpu::to_float(gate[e]);
+        const float silu = srt_cpu::to_float(srt_cpu::from_float<T>(g / (1.0f + std::exp(-g))));
+        o[e] = srt_cpu::from_float<T>(silu * srt_cpu::to_float(up[e]));
+      }
     }
   });
 }
@@ -148,25 +186,28 @@ template <typename T>
 void rope_rows(const T* src, T* dst, int64_t n, int64_t heads, int64_t dim, int64_t s0, int64_t s1, const int64_t* pos,
                const T* cos, const T* sin) {
   const int64_t half = dim / 2;
+  const int64_t body = half - half % kLanes;
   at::parallel_for(0, n, kGrainRows, [&](int64_t begin, int64_t end) {
-    std::vector<float> c(dim), s(dim), x(dim), rot(dim);
     for (int64_t i = begin; i < end; ++i) {
-      load_row(cos + pos[i] * dim, c.data(), dim);
-      load_row(sin + pos[i] * dim, s.data(), dim);
+      const T* c = cos + pos[i] * dim;
+      const T* s = sin + pos[i] * dim;
       for (int64_t h = 0; h < heads; ++h) {
-        load_row(src + i * s0 + h * s1, x.data(), dim);
-        for (int64_t e = 0; e < half; ++e) {
-          rot[e] = -x[e + half];
-          rot[e + half] = x[e];
+        const T* x = src + i * s0 + h * s1;
+        T* o = dst + (i * heads + h) * dim;
+        int64_t e = 0;
+        for (; e < body; e += kLanes) {
+          const vfloat x1 = vload(x + e), x2 = vload(x + half + e);
+          vstore(o + e, srt_cpu::vround(x1 * vload(c + e), T()) - srt_cpu::vround(x2 * vload(s + e), T()));
+          vstore(o + half + e,
+                 srt_cpu::vround(x2 * vload(c + half + e), T()) + srt_cpu::vround(x1 * vload(s + half + e), T()));
         }
-        for (int64_t e = 0; e < dim; ++e) {
-          x[e] *= c[e];
-          rot[e] *= s[e];
+        for (; e < half; ++e) {
+          const float x1 = srt_cpu::to_float(x[e]), x2 = srt_cpu::to_float(x[half + e]);
+          o[e] = srt_cpu::from_float<T>(rounded<T>(x1 * srt_cpu::to_float(c[e])) -
+                                        rounded<T>(x2 * srt_cpu::to_float(s[e])));
+          o[half + e] = srt_cpu::from_float<T>(rounded<T>(x2 * srt_cpu::to_float(c[half + e])) +
+                                               rounded<T>(x1 * srt_cpu::to_float(s[half + e])));
         }
-        round_row(x.data(), dim, T());
-        round_row(rot.data(), dim, T());
-        for (int64_t e = 0; e < dim; ++e) x[e] += rot[e];
-        store_row(dst + (i * heads + h) * dim, x.data(), dim);
       }
     }
   });

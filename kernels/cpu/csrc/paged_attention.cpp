@@ -19,7 +19,9 @@
 #include <vector>
 
 #include "attention_tiles.h"
+#include "bf16_dot_tiles.h"
 #include "cpu_math.h"
+#include "decode_plan.h"
 
 namespace {
 
@@ -30,46 +32,34 @@ using srt_cpu::vfloat;
 using srt_cpu::vload;
 using srt_cpu::vstore;
 using srt_cpu::vsum;
-
-// Keys per task: equal-sized work items balance ragged rows over the threads. Fixed (not derived
-// from the thread count) so a row's result never depends on the machine or the rest of the batch.
-constexpr int64_t kSplitTokens = 256;
-
-// One query of a task: request `b`'s heads. `part` < 0: the request has one split and the task
-// writes its output itself; otherwise the index of its (max, sum, unnormalised output) partial.
-struct Member {
-  int64_t b, part;
-};
-
-// One unit of work: keys [begin, end), every head, for members [first, first + count) of
-// Plan::members. All heads in one task, so the K and V rows of a slot ([kv_heads, head_dim],
-// contiguous) are read together. Requests whose slots in [begin, end) are the same (a prefix the
-// radix cache shares) are members of one task: each block of K and V rows is read from memory
-// once for all of them, and each member's arithmetic is exactly what it would be alone.
-struct Task {
-  int64_t begin, end, first, count;
-};
-
-// A request whose splits are merged: partials [first, first + count).
-struct Merge {
-  int64_t b, first, count;
-};
+using srt_cpu_decode::Member;
+using srt_cpu_decode::Merge;
+using srt_cpu_decode::Plan;
+using srt_cpu_decode::Task;
+using srt_cpu_decode::plan_decode;
 
 // Per-worker buffers, allocated once per worker per call, with the running state of up to
 // `members` queries (q, acc, max, sum, score: member m at offset m * heads), the block's K and V
 // rows as fp32 ([kBlockTokens][kv_heads][dim]), `rows[j]`: key j's row of one kv head there, and
-// that head's K rows transposed (kt, [dim][kBlockTokens]).
+// that head's K rows transposed (kt, [dim][kBlockTokens]). The bf16 path (Decode::run_bf16)
+// keeps each query as unscaled bf16 pairs (qb) and reads bf16 rows in place (`pool_rows`), with
+// the block's keys transposed by pairs (kt_pairs, [dim / 2][kBlockTokens]).
 struct Scratch {
   int64_t heads, dim;
   std::vector<float> q, acc, score, max, sum, k_tile, v_tile, kt;
   std::vector<int64_t> slot;
   std::vector<const float*> rows, q_rows;
   std::vector<float*> score_rows, acc_rows;
-  Scratch(int64_t heads, int64_t kv_heads, int64_t dim, int64_t members)
+  std::vector<uint32_t> qb, kt_pairs;
+  std::vector<const uint32_t*> qb_rows;
+  std::vector<const c10::BFloat16*> pool_rows;
+  Scratch(int64_t heads, int64_t kv_heads, int64_t dim, int64_t members, bool bf16_dot)
       : heads(heads), dim(dim), q(members * heads * dim), acc(members * heads * dim),
         score(members * heads * kBlockTokens), max(members * heads), sum(members * heads),
-        k_tile(kBlockTokens * kv_heads * dim), v_tile(kBlockTokens * kv_heads * dim), kt(dim * kBlockTokens), slot(kBlockTokens),
-        rows(kBlockTokens), q_rows(members * heads), score_rows(members * heads), acc_rows(members * heads) {}
+        k_tile(bf16_dot ? 0 : kBlockTokens * kv_heads * dim), v_tile(bf16_dot ? 0 : kBlockTokens * kv_heads * dim),
+        kt(bf16_dot ? 0 : dim * kBlockTokens), slot(kBlockTokens), rows(kBlockTokens), q_rows(members * heads),
+        score_rows(members * heads), acc_rows(members * heads), qb(bf16_dot ? members * heads * dim / 2 : 0),
+        kt_pairs(bf16_dot ? dim / 2 * kBlockTokens : 0), qb_rows(members * heads), pool_rows(kBlockTokens) {}
 };
 
 // Member m's view of the running state in a Scratch.
@@ -100,6 +90,16 @@ struct Decode {
   std::atomic<bool>* bad_slot;
 
   int64_t heads() const { return num_kv_heads * group; }
+
+  // Whether run_bf16 serves this call: bf16 queries and KV, whole 32-element pairs of the head
+  // dim, and a CPU with AVX512-BF16 (the build's -march=native decides).
+  bool bf16_dot() const {
+#if defined(SRT_CPU_BF16_DOT)
+    return std::is_same_v<q_t, c10::BFloat16> && std::is_same_v<kv_t, c10::BFloat16> && dim % 32 == 0;
+#else
+    return false;
+#endif
+  }
 
   void load_q(int64_t b, const Query& m) const {
     for (int64_t h = 0; h < heads(); ++h) {
@@ -193,6 +193,48 @@ struct Decode {
     for (int64_t i = 0; i < t.count; ++i) finish(members[i], Query(s, i));
   }
 
+#if defined(SRT_CPU_BF16_DOT)
+  // run() for bf16 queries and KV: each kv head's K rows are transposed by pairs straight from
+  // the pool and scored with vdpbf16ps (bf16_dot_tiles.h; the scale applied to the fp32 dot
+  // product), and the value rows are read in place, widened in registers. No fp32 copy of the
+  // block: the copy and the fp32 transpose were half of run()'s time.
+  void run_bf16(const Task& t, const Member* members, Scratch& s) const {
+    if constexpr (std::is_same_v<q_t, c10::BFloat16> && std::is_same_v<kv_t, c10::BFloat16>) run_bf16_pairs(t, members, s);
+  }
+
+  void run_bf16_pairs(const Task& t, const Member* members, Scratch& s) const {
+    const int64_t pairs = dim / 2;
+    for (int64_t i = 0; i < t.count; ++i) {
+      const Query m(s, i);
+      std::fill(m.acc, m.acc + heads() * dim, 0.0f);
+      std::fill(m.max, m.max + heads(), -std::numeric_limits<float>::infinity());
+      std::fill(m.sum, m.sum + heads(), 0.0f);
+      for (int64_t h = 0; h < heads(); ++h) {
+        std::memcpy(s.qb.data() + (i * heads() + h) * pairs, q + members[i].b * q_s0 + h * q_s1, dim * sizeof(q_t));
+      }
+    }
+    const int32_t* slots = req_to_token + rows[members[0].b] * r2t_s0;
+    for (int64_t start = t.begin; start < t.end; start += kBlockTokens) {
+      const int64_t n = std::min(kBlockTokens, t.end - start);
+      lookup_slots(slots, start, n, s);
+      for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+        const int64_t h0 = kv_head * group;
+        const int64_t query_rows = point_queries(h0, t.count, s);
+        for (int64_t r = 0; r < query_rows; ++r) {
+          s.qb_rows[r] = s.qb.data() + ((r / group) * heads() + h0 + r % group) * pairs;
+        }
+        for (int64_t j = 0; j < n; ++j) s.pool_rows[j] = k + s.slot[j] * k_s0 + kv_head * k_s1;
+        srt_cpu::transpose_key_pairs(s.pool_rows.data(), n, dim, s.kt_pairs.data());
+        srt_cpu::score_rows_bf16(s.qb_rows.data(), s.kt_pairs.data(), s.score_rows.data(), query_rows, pairs, scale);
+        for (int64_t i = 0; i < t.count; ++i) softmax_block(h0, n, Query(s, i));
+        for (int64_t j = 0; j < n; ++j) s.pool_rows[j] = v + s.slot[j] * v_s0 + kv_head * v_s1;
+        srt_cpu::value_rows(s.score_rows.data(), s.pool_rows.data(), s.acc_rows.data(), query_rows, n, dim);
+      }
+    }
+    for (int64_t i = 0; i < t.count; ++i) finish(members[i], Query(s, i));
+  }
+#endif
+
   // A member's output (one split) or its partial (several).
   void finish(const Member& member, const Query& m) const {
     for (int64_t h = 0; h < heads(); ++h) {
@@ -232,74 +274,6 @@ struct Decode {
     }
   }
 };
-
-struct Plan {
-  std::vector<Task> tasks;
-  std::vector<Member> members;
-  std::vector<Merge> merges;
-  int64_t parts = 0;        // partials needed by requests with several splits
-  int64_t max_splits = 1;   // the most splits of one request
-  int64_t max_members = 1;  // the most members of one task
-};
-
-// Splits of kSplitTokens keys per request; with `share_prefixes`, splits of several requests
-// that cover the same keys through the same slots become one task.
-Plan plan_decode(const int64_t* lens, int64_t bs, const int32_t* req_to_token, int64_t r2t_s0, const int64_t* rows,
-                 bool share_prefixes) {
-  struct Split {
-    int64_t begin, end, first_slot, b, part;
-  };
-  Plan plan;
-  std::vector<Split> splits;
-  for (int64_t b = 0; b < bs; ++b) {
-    const int64_t len = lens[b];
-    const int64_t count = (len + kSplitTokens - 1) / kSplitTokens;
-    plan.max_splits = std::max(plan.max_splits, count);
-    const int64_t first = count > 1 ? plan.parts : -1;
-    if (count > 1) {
-      plan.merges.push_back({b, first, count});
-      plan.parts += count;
-    }
-    for (int64_t i = 0; i < count; ++i) {
-      const int64_t begin = i * kSplitTokens, end = std::min(len, begin + kSplitTokens);
-      splits.push_back({begin, end, req_to_token[rows[b] * r2t_s0 + begin], b, count > 1 ? first + i : -1});
-    }
-  }
-  if (share_prefixes) {
-    // Candidates for one task are next to each other: same keys, same first slot.
-    std::sort(splits.begin(), splits.end(), [](const Split& x, const Split& y) {
-      return std::tie(x.begin, x.end, x.first_slot, x.b) < std::tie(y.begin, y.end, y.first_slot, y.b);
-    });
-  }
-  std::vector<bool> taken(splits.size(), false);
-  for (size_t i = 0; i < splits.size(); ++i) {
-    if (taken[i]) continue;
-    const Split& lead = splits[i];
-    const int32_t* lead_slots = req_to_token + rows[lead.b] * r2t_s0 + lead.begin;
-    const size_t bytes = (lead.end - lead.begin) * sizeof(int32_t);
-    Task task{lead.begin, lead.end, static_cast<int64_t>(plan.members.size()), 0};
-    for (size_t j = i; j < splits.size(); ++j) {
-      const Split& other = splits[j];
-      if (j > i && (!share_prefixes || other.begin != lead.begin || other.end != lead.end ||
-                    other.first_slot != lead.first_slot)) {
-        break;
-      }
-      if (taken[j] || (j > i && std::memcmp(req_to_token + rows[other.b] * r2t_s0 + other.begin, lead_slots, bytes))) {
-        continue;
-      }
-      taken[j] = true;
-      plan.members.push_back({other.b, other.part});
-      ++task.count;
-    }
-    plan.max_members = std::max(plan.max_members, task.count);
-    plan.tasks.push_back(task);
-  }
-  // Largest first, so the last task to start is a small one (dynamic scheduling).
-  std::stable_sort(plan.tasks.begin(), plan.tasks.end(), [](const Task& x, const Task& y) {
-    return (x.end - x.begin) * x.count > (y.end - y.begin) * y.count;
-  });
-  return plan;
-}
 
 bool is_float_or_bf16(const at::Tensor& t) {
   return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16;
@@ -345,7 +319,7 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 
 template <typename q_t, typename kv_t>
 void run_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& req_to_token,
-                const at::Tensor& rows, double scale, const Plan& plan, at::Tensor& out) {
+                const at::Tensor& rows, double scale, const Plan& plan, bool allow_bf16_dot, at::Tensor& out) {
   const int64_t num_kv_heads = k.size(1), group = q.size(1) / k.size(1), dim = q.size(2);
   at::Tensor part_acc = at::empty({plan.parts, q.size(1), dim}, q.options().dtype(at::kFloat));
   at::Tensor part_max = at::empty({plan.parts, q.size(1)}, part_acc.options());
@@ -375,9 +349,17 @@ void run_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
   op.part_sum = part_sum.data_ptr<float>();
   op.bad_slot = &bad_slot;
 
+  const bool bf16_dot = allow_bf16_dot && op.bf16_dot();
   srt_cpu::parallel_tasks<Scratch>(
-      static_cast<int64_t>(plan.tasks.size()), [&] { return Scratch(q.size(1), num_kv_heads, dim, plan.max_members); },
-      [&](int64_t i, Scratch& s) { op.run(plan.tasks[i], plan.members.data() + plan.tasks[i].first, s); });
+      static_cast<int64_t>(plan.tasks.size()),
+      [&] { return Scratch(q.size(1), num_kv_heads, dim, plan.max_members, bf16_dot); },
+      [&](int64_t i, Scratch& s) {
+        const Member* members = plan.members.data() + plan.tasks[i].first;
+#if defined(SRT_CPU_BF16_DOT)
+        if (bf16_dot) return op.run_bf16(plan.tasks[i], members, s);
+#endif
+        op.run(plan.tasks[i], members, s);
+      });
   using MergeState = std::pair<std::vector<float>, std::vector<float>>;
   srt_cpu::parallel_tasks<MergeState>(
       static_cast<int64_t>(plan.merges.size()),
@@ -390,9 +372,11 @@ void run_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
 
 // q [batch, heads, head_dim] attends, per request b, to the KV slots req_to_token[rows[b], :lens[b]]
 // of k_buffer / v_buffer [slots, kv_heads, head_dim]. Returns [batch, heads, head_dim] in q's dtype.
+// `bf16_dot`: bf16 q and KV take Decode::run_bf16 where the build has AVX512-BF16 (False: the fp32
+// tiles, for comparisons).
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
                                   const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
-                                  const at::Tensor& seq_lens, double scale, bool share_prefixes) {
+                                  const at::Tensor& seq_lens, double scale, bool share_prefixes, bool bf16_dot) {
   const at::Tensor rows = req_pool_indices.contiguous();
   const at::Tensor lens = seq_lens.contiguous();
   check_inputs(q, k_buffer, v_buffer, req_to_token, rows, lens);
@@ -402,13 +386,13 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_buffe
   const bool q_bf16 = q.scalar_type() == at::kBFloat16;
   const bool kv_bf16 = k_buffer.scalar_type() == at::kBFloat16;
   if (q_bf16 && kv_bf16) {
-    run_decode<c10::BFloat16, c10::BFloat16>(q, k_buffer, v_buffer, req_to_token, rows, scale, plan, out);
+    run_decode<c10::BFloat16, c10::BFloat16>(q, k_buffer, v_buffer, req_to_token, rows, scale, plan, bf16_dot, out);
   } else if (q_bf16) {
-    run_decode<c10::BFloat16, float>(q, k_buffer, v_buffer, req_to_token, rows, scale, plan, out);
+    run_decode<c10::BFloat16, float>(q, k_buffer, v_buffer, req_to_token, rows, scale, plan, bf16_dot, out);
   } else if (kv_bf16) {
-    run_decode<float, c10::BFloat16>(q, k_buffer, v_buffer, req_to_token, rows, scale, plan, out);
+    run_decode<float, c10::BFloat16>(q, k_buffer, v_buffer, req_to_token, rows, scale, plan, bf16_dot, out);
   } else {
-    run_decode<float, float>(q, k_buffer, v_buffer, req_to_token, rows, scale, plan, out);
+    run_decode<float, float>(q, k_buffer, v_buffer, req_to_token, rows, scale, plan, bf16_dot, out);
   }
   return out;
 }
@@ -430,7 +414,7 @@ at::Tensor paged_decode_task_members(const at::Tensor& req_to_token, const at::T
 TORCH_LIBRARY(srt_cpu, m) {
   m.def(
       "paged_decode_attention(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor req_to_token, "
-      "Tensor req_pool_indices, Tensor seq_lens, float scale, bool share_prefixes=True) -> Tensor");
+      "Tensor req_pool_indices, Tensor seq_lens, float scale, bool share_prefixes=True, bool bf16_dot=True) -> Tensor");
   m.def(
       "paged_decode_task_members(Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, "
       "bool share_prefixes=True) -> Tensor");

@@ -39,27 +39,27 @@ using srt_cpu_decode::Task;
 using srt_cpu_decode::plan_decode;
 
 // Per-worker buffers, allocated once per worker per call, with the running state of up to
-// `members` queries (q, acc, max, sum, score: member m at offset m * heads), the block's K and V
-// rows as fp32 ([kBlockTokens][kv_heads][dim]), `rows[j]`: key j's row of one kv head there, and
-// that head's K rows transposed (kt, [dim][kBlockTokens]). The bf16 path (Decode::run_bf16)
-// keeps each query as unscaled bf16 pairs (qb) and reads bf16 rows in place (`pool_rows`), with
-// the block's keys transposed by pairs (kt_pairs, [dim / 2][kBlockTokens]).
+// `members` queries (q, acc, max, sum, score: member m at offset m * heads), the block's slots,
+// its K or V rows of one kv head where they lie in the pool (`float_rows` or `bf16_rows`, by the
+// pool's dtype), and that head's K rows transposed (kt, fp32 [dim][kBlockTokens]). The bf16 path
+// (Decode::run_bf16) keeps each query as unscaled bf16 pairs (qb) and the keys transposed by
+// pairs (kt_pairs, [dim / 2][kBlockTokens]) instead.
 struct Scratch {
   int64_t heads, dim;
-  std::vector<float> q, acc, score, max, sum, k_tile, v_tile, kt;
+  std::vector<float> q, acc, score, max, sum, kt;
   std::vector<int64_t> slot;
-  std::vector<const float*> rows, q_rows;
+  std::vector<const float*> float_rows, q_rows;
+  std::vector<const c10::BFloat16*> bf16_rows;
   std::vector<float*> score_rows, acc_rows;
   std::vector<uint32_t> qb, kt_pairs;
   std::vector<const uint32_t*> qb_rows;
-  std::vector<const c10::BFloat16*> pool_rows;
-  Scratch(int64_t heads, int64_t kv_heads, int64_t dim, int64_t members, bool bf16_dot)
+  Scratch(int64_t heads, int64_t dim, int64_t members, bool bf16_dot)
       : heads(heads), dim(dim), q(members * heads * dim), acc(members * heads * dim),
         score(members * heads * kBlockTokens), max(members * heads), sum(members * heads),
-        k_tile(bf16_dot ? 0 : kBlockTokens * kv_heads * dim), v_tile(bf16_dot ? 0 : kBlockTokens * kv_heads * dim),
-        kt(bf16_dot ? 0 : dim * kBlockTokens), slot(kBlockTokens), rows(kBlockTokens), q_rows(members * heads),
-        score_rows(members * heads), acc_rows(members * heads), qb(bf16_dot ? members * heads * dim / 2 : 0),
-        kt_pairs(bf16_dot ? dim / 2 * kBlockTokens : 0), qb_rows(members * heads), pool_rows(kBlockTokens) {}
+        kt(bf16_dot ? 0 : dim * kBlockTokens), slot(kBlockTokens), float_rows(kBlockTokens), q_rows(members * heads),
+        bf16_rows(kBlockTokens), score_rows(members * heads), acc_rows(members * heads),
+        qb(bf16_dot ? members * heads * dim / 2 : 0), kt_pairs(bf16_dot ? dim / 2 * kBlockTokens : 0),
+        qb_rows(members * heads) {}
 };
 
 // Member m's view of the running state in a Scratch.
@@ -123,30 +123,19 @@ struct Decode {
     }
   }
 
-  // The block's K (or V) rows, every kv head, as fp32 in `tile` [n][kv_heads][dim]. Runs of
-  // consecutive slots (what the allocator hands out) are one sequential copy; reading each kv
-  // head's slice of the rows in place instead left every load waiting on memory (1.6-1.9x slower
-  // on a 16 x 1,100 batch, one thread), and software prefetching did not help.
-  void copy_rows(const kv_t* buffer, int64_t s0, int64_t s1, int64_t n, const Scratch& s, float* tile) const {
-    const int64_t row = num_kv_heads * dim;
-    const bool dense = s1 == dim && s0 == row;  // a slot's heads back to back, slots back to back
-    for (int64_t j = 0; j < n;) {
-      int64_t end = j + 1;
-      while (dense && end < n && s.slot[end] == s.slot[end - 1] + 1) ++end;
-      const kv_t* src = buffer + s.slot[j] * s0;
-      if (dense && std::is_same_v<kv_t, float>) {
-        std::memcpy(tile + j * row, src, (end - j) * row * sizeof(float));  // glibc's copy: faster than a loop
-      } else if (dense) {
-        srt_cpu::load_row(src, tile + j * row, (end - j) * row);
-      } else {
-        for (int64_t h = 0; h < num_kv_heads; ++h) srt_cpu::load_row(src + h * s1, tile + (j * num_kv_heads + h) * dim, dim);
-      }
-      j = end;
+  // Key j's row of kv head `kv_head` in `buffer` (k or v), where it lies in the pool, for the
+  // block's n keys. Read in place: a copy of the block's rows (as fp32) cost more than it saved,
+  // 1.08-1.16x on 16 x 300 tokens in turns with it, contiguous or shuffled slots, fp32 and bf16.
+  const kv_t* const* pool_rows(const kv_t* buffer, int64_t s0, int64_t s1, int64_t kv_head, int64_t n,
+                               Scratch& s) const {
+    const kv_t** out;
+    if constexpr (std::is_same_v<kv_t, float>) {
+      out = s.float_rows.data();
+    } else {
+      out = s.bf16_rows.data();
     }
-  }
-
-  void point_rows(const float* tile, int64_t kv_head, int64_t n, Scratch& s) const {
-    for (int64_t j = 0; j < n; ++j) s.rows[j] = tile + (j * num_kv_heads + kv_head) * dim;
+    for (int64_t j = 0; j < n; ++j) out[j] = buffer + s.slot[j] * s0 + kv_head * s1;
+    return out;
   }
 
   // Online softmax of each head of kv head h0's group over the block's n keys (attention_tiles.h).
@@ -177,27 +166,23 @@ struct Decode {
     for (int64_t start = t.begin; start < t.end; start += kBlockTokens) {
       const int64_t n = std::min(kBlockTokens, t.end - start);
       lookup_slots(slots, start, n, s);
-      copy_rows(k, k_s0, k_s1, n, s, s.k_tile.data());
-      copy_rows(v, v_s0, v_s1, n, s, s.v_tile.data());
       for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
         const int64_t h0 = kv_head * group;
         const int64_t query_rows = point_queries(h0, t.count, s);
-        point_rows(s.k_tile.data(), kv_head, n, s);
-        srt_cpu::transpose_keys(s.rows.data(), n, dim, s.kt.data());
+        srt_cpu::transpose_keys(pool_rows(k, k_s0, k_s1, kv_head, n, s), n, dim, s.kt.data());
         srt_cpu::score_rows(s.q_rows.data(), s.kt.data(), s.score_rows.data(), query_rows, dim);
         for (int64_t i = 0; i < t.count; ++i) softmax_block(h0, n, Query(s, i));
-        point_rows(s.v_tile.data(), kv_head, n, s);
-        srt_cpu::value_rows(s.score_rows.data(), s.rows.data(), s.acc_rows.data(), query_rows, n, dim);
+        srt_cpu::value_rows(s.score_rows.data(), pool_rows(v, v_s0, v_s1, kv_head, n, s), s.acc_rows.data(),
+                            query_rows, n, dim);
       }
     }
     for (int64_t i = 0; i < t.count; ++i) finish(members[i], Query(s, i));
   }
 
 #if defined(SRT_CPU_BF16_DOT)
-  // run() for bf16 queries and KV: each kv head's K rows are transposed by pairs straight from
-  // the pool and scored with vdpbf16ps (bf16_dot_tiles.h; the scale applied to the fp32 dot
-  // product), and the value rows are read in place, widened in registers. No fp32 copy of the
-  // block: the copy and the fp32 transpose were half of run()'s time.
+  // run() for bf16 queries and KV: each kv head's K rows are transposed by pairs (half the bytes
+  // of run()'s fp32 transpose) and scored with vdpbf16ps (bf16_dot_tiles.h; the scale applied to
+  // the fp32 dot product).
   void run_bf16(const Task& t, const Member* members, Scratch& s) const {
     if constexpr (std::is_same_v<q_t, c10::BFloat16> && std::is_same_v<kv_t, c10::BFloat16>) run_bf16_pairs(t, members, s);
   }
@@ -223,12 +208,11 @@ struct Decode {
         for (int64_t r = 0; r < query_rows; ++r) {
           s.qb_rows[r] = s.qb.data() + ((r / group) * heads() + h0 + r % group) * pairs;
         }
-        for (int64_t j = 0; j < n; ++j) s.pool_rows[j] = k + s.slot[j] * k_s0 + kv_head * k_s1;
-        srt_cpu::transpose_key_pairs(s.pool_rows.data(), n, dim, s.kt_pairs.data());
+        srt_cpu::transpose_key_pairs(pool_rows(k, k_s0, k_s1, kv_head, n, s), n, dim, s.kt_pairs.data());
         srt_cpu::score_rows_bf16(s.qb_rows.data(), s.kt_pairs.data(), s.score_rows.data(), query_rows, pairs, scale);
         for (int64_t i = 0; i < t.count; ++i) softmax_block(h0, n, Query(s, i));
-        for (int64_t j = 0; j < n; ++j) s.pool_rows[j] = v + s.slot[j] * v_s0 + kv_head * v_s1;
-        srt_cpu::value_rows(s.score_rows.data(), s.pool_rows.data(), s.acc_rows.data(), query_rows, n, dim);
+        srt_cpu::value_rows(s.score_rows.data(), pool_rows(v, v_s0, v_s1, kv_head, n, s), s.acc_rows.data(),
+                            query_rows, n, dim);
       }
     }
     for (int64_t i = 0; i < t.count; ++i) finish(members[i], Query(s, i));
@@ -352,7 +336,7 @@ void run_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
   const bool bf16_dot = allow_bf16_dot && op.bf16_dot();
   srt_cpu::parallel_tasks<Scratch>(
       static_cast<int64_t>(plan.tasks.size()),
-      [&] { return Scratch(q.size(1), num_kv_heads, dim, plan.max_members, bf16_dot); },
+      [&] { return Scratch(q.size(1), dim, plan.max_members, bf16_dot); },
       [&](int64_t i, Scratch& s) {
         const Member* members = plan.members.data() + plan.tasks[i].first;
 #if defined(SRT_CPU_BF16_DOT)

@@ -172,31 +172,40 @@ inline vfloat vround(vfloat v, c10::BFloat16 /*tag*/) {
 }
 #endif
 
-// v as stored in fp32 and read back: itself, but computed on its own. The empty asm keeps the
-// compiler from fusing the operation that made v into a later add (-ffp-contract=fast), which
-// would skip the rounding a torch op's stored result has.
-inline vfloat vround(vfloat v, float /*tag*/) {
-#if defined(__AVX__)
-  __asm__("" : "+x"(v));
+// Bytes of the widest vector register the build may use.
+#if defined(__AVX512F__)
+constexpr size_t kRegisterBytes = 64;
+#elif defined(__AVX__)
+constexpr size_t kRegisterBytes = 32;
+#else
+constexpr size_t kRegisterBytes = 16;
+#endif
+
+// v (a float or a vfloat) computed on its own: the empty asm keeps the compiler from fusing the
+// operation that made v into a later add (-ffp-contract=fast), which would skip the rounding a
+// torch op's stored fp32 result has. A value wider than a register goes through memory.
+template <typename V>
+inline V computed_alone(V v) {
+#if defined(__x86_64__) || defined(__i386__)
+  if constexpr (sizeof(V) <= kRegisterBytes) {
+    __asm__("" : "+x"(v));
+  } else {
+    __asm__("" : "+m"(v));
+  }
 #elif defined(__aarch64__)
-  __asm__("" : "+w"(v));
+  if constexpr (sizeof(V) <= kRegisterBytes) {
+    __asm__("" : "+w"(v));
+  } else {
+    __asm__("" : "+m"(v));
+  }
 #else
   __asm__("" : "+m"(v));
 #endif
   return v;
 }
 
-// The same for one float.
-inline float vround(float x) {
-#if defined(__x86_64__) || defined(__i386__)
-  __asm__("" : "+x"(x));
-#elif defined(__aarch64__)
-  __asm__("" : "+w"(x));
-#else
-  __asm__("" : "+m"(x));
-#endif
-  return x;
-}
+// v as stored in fp32 and read back: itself, computed on its own.
+inline vfloat vround(vfloat v, float /*tag*/) { return computed_alone(v); }
 
 // A row of n values into an fp32 buffer, whole vectors then a scalar tail.
 template <typename T>

@@ -36,7 +36,7 @@ inline float rounded(float x) {
 
 template <>
 inline float rounded<float>(float x) {
-  return srt_cpu::vround(x);
+  return srt_cpu::computed_alone(x);
 }
 
 // Call `fn` with a value of the element type: float or c10::BFloat16 (check_rows allows no other).

@@ -42,7 +42,7 @@ using srt_cpu_decode::plan_decode;
 // `members` queries (q, acc, max, sum, score: member m at offset m * heads), the block's slots,
 // its K or V rows of one kv head where they lie in the pool (`float_rows` or `bf16_rows`, by the
 // pool's dtype), and that head's K rows transposed (kt, fp32 [dim][kBlockTokens]). The bf16 path
-// (Decode::run_bf16) keeps each query as unscaled bf16 pairs (qb) and the keys transposed by
+// (Decode::score_block) keeps each query as unscaled bf16 pairs (qb) and the keys transposed by
 // pairs (kt_pairs, [dim / 2][kBlockTokens]) instead.
 struct Scratch {
   int64_t heads, dim;
@@ -91,7 +91,7 @@ struct Decode {
 
   int64_t heads() const { return num_kv_heads * group; }
 
-  // Whether run_bf16 serves this call: bf16 queries and KV, whole 32-element pairs of the head
+  // Whether score_block's bf16 dot products serve this call: bf16 queries and KV, whole 32-element pairs of the head
   // dim, and a CPU with AVX512-BF16 (the build's -march=native decides).
   bool bf16_dot() const {
 #if defined(SRT_CPU_BF16_DOT)
@@ -159,8 +159,18 @@ struct Decode {
     return r;
   }
 
-  void run(const Task& t, const Member* members, Scratch& s) const {
-    for (int64_t i = 0; i < t.count; ++i) load_q(members[i].b, Query(s, i));
+  // With `bf16_dot` (bf16 queries and KV, see bf16_dot()), each member's queries are also kept
+  // as unscaled bf16 pairs for score_block.
+  void run(const Task& t, const Member* members, Scratch& s, bool bf16_dot) const {
+    for (int64_t i = 0; i < t.count; ++i) {
+      load_q(members[i].b, Query(s, i));
+      if (bf16_dot) {
+        for (int64_t h = 0; h < heads(); ++h) {
+          std::memcpy(s.qb.data() + (i * heads() + h) * (dim / 2), q + members[i].b * q_s0 + h * q_s1,
+                      dim * sizeof(q_t));
+        }
+      }
+    }
     // Every member's slots in [begin, end) are the same: read them through the first one's row.
     const int32_t* slots = req_to_token + rows[members[0].b] * r2t_s0;
     for (int64_t start = t.begin; start < t.end; start += kBlockTokens) {
@@ -169,8 +179,7 @@ struct Decode {
       for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
         const int64_t h0 = kv_head * group;
         const int64_t query_rows = point_queries(h0, t.count, s);
-        srt_cpu::transpose_keys(pool_rows(k, k_s0, k_s1, kv_head, n, s), n, dim, s.kt.data());
-        srt_cpu::score_rows(s.q_rows.data(), s.kt.data(), s.score_rows.data(), query_rows, dim);
+        score_block(kv_head, query_rows, n, s, bf16_dot);
         for (int64_t i = 0; i < t.count; ++i) softmax_block(h0, n, Query(s, i));
         srt_cpu::value_rows(s.score_rows.data(), pool_rows(v, v_s0, v_s1, kv_head, n, s), s.acc_rows.data(),
                             query_rows, n, dim);
@@ -179,45 +188,27 @@ struct Decode {
     for (int64_t i = 0; i < t.count; ++i) finish(members[i], Query(s, i));
   }
 
+  // The block's scores of kv head `kv_head`'s query rows. fp32 tiles: the K rows transposed as
+  // fp32 and scored against the scaled fp32 queries. bf16 dot: the K rows transposed by pairs of
+  // the head dim (half the bytes) and scored with vdpbf16ps against the bf16 queries, the scale
+  // applied to the fp32 dot product (bf16_dot_tiles.h).
+  void score_block(int64_t kv_head, int64_t query_rows, int64_t n, Scratch& s, bool bf16_dot) const {
 #if defined(SRT_CPU_BF16_DOT)
-  // run() for bf16 queries and KV: each kv head's K rows are transposed by pairs (half the bytes
-  // of run()'s fp32 transpose) and scored with vdpbf16ps (bf16_dot_tiles.h; the scale applied to
-  // the fp32 dot product).
-  void run_bf16(const Task& t, const Member* members, Scratch& s) const {
-    if constexpr (std::is_same_v<q_t, c10::BFloat16> && std::is_same_v<kv_t, c10::BFloat16>) run_bf16_pairs(t, members, s);
-  }
-
-  void run_bf16_pairs(const Task& t, const Member* members, Scratch& s) const {
-    const int64_t pairs = dim / 2;
-    for (int64_t i = 0; i < t.count; ++i) {
-      const Query m(s, i);
-      std::fill(m.acc, m.acc + heads() * dim, 0.0f);
-      std::fill(m.max, m.max + heads(), -std::numeric_limits<float>::infinity());
-      std::fill(m.sum, m.sum + heads(), 0.0f);
-      for (int64_t h = 0; h < heads(); ++h) {
-        std::memcpy(s.qb.data() + (i * heads() + h) * pairs, q + members[i].b * q_s0 + h * q_s1, dim * sizeof(q_t));
-      }
-    }
-    const int32_t* slots = req_to_token + rows[members[0].b] * r2t_s0;
-    for (int64_t start = t.begin; start < t.end; start += kBlockTokens) {
-      const int64_t n = std::min(kBlockTokens, t.end - start);
-      lookup_slots(slots, start, n, s);
-      for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
-        const int64_t h0 = kv_head * group;
-        const int64_t query_rows = point_queries(h0, t.count, s);
+    if constexpr (std::is_same_v<q_t, c10::BFloat16> && std::is_same_v<kv_t, c10::BFloat16>) {
+      if (bf16_dot) {
+        const int64_t pairs = dim / 2, h0 = kv_head * group;
         for (int64_t r = 0; r < query_rows; ++r) {
           s.qb_rows[r] = s.qb.data() + ((r / group) * heads() + h0 + r % group) * pairs;
         }
         srt_cpu::transpose_key_pairs(pool_rows(k, k_s0, k_s1, kv_head, n, s), n, dim, s.kt_pairs.data());
         srt_cpu::score_rows_bf16(s.qb_rows.data(), s.kt_pairs.data(), s.score_rows.data(), query_rows, pairs, scale);
-        for (int64_t i = 0; i < t.count; ++i) softmax_block(h0, n, Query(s, i));
-        srt_cpu::value_rows(s.score_rows.data(), pool_rows(v, v_s0, v_s1, kv_head, n, s), s.acc_rows.data(),
-                            query_rows, n, dim);
+        return;
       }
     }
-    for (int64_t i = 0; i < t.count; ++i) finish(members[i], Query(s, i));
-  }
 #endif
+    srt_cpu::transpose_keys(pool_rows(k, k_s0, k_s1, kv_head, n, s), n, dim, s.kt.data());
+    srt_cpu::score_rows(s.q_rows.data(), s.kt.data(), s.score_rows.data(), query_rows, dim);
+  }
 
   // A member's output (one split) or its partial (several).
   void finish(const Member& member, const Query& m) const {
@@ -337,13 +328,7 @@ void run_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
   srt_cpu::parallel_tasks<Scratch>(
       static_cast<int64_t>(plan.tasks.size()),
       [&] { return Scratch(q.size(1), dim, plan.max_members, bf16_dot); },
-      [&](int64_t i, Scratch& s) {
-        const Member* members = plan.members.data() + plan.tasks[i].first;
-#if defined(SRT_CPU_BF16_DOT)
-        if (bf16_dot) return op.run_bf16(plan.tasks[i], members, s);
-#endif
-        op.run(plan.tasks[i], members, s);
-      });
+      [&](int64_t i, Scratch& s) { op.run(plan.tasks[i], plan.members.data() + plan.tasks[i].first, s, bf16_dot); });
   using MergeState = std::pair<std::vector<float>, std::vector<float>>;
   srt_cpu::parallel_tasks<MergeState>(
       static_cast<int64_t>(plan.merges.size()),
@@ -356,8 +341,8 @@ void run_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
 
 // q [batch, heads, head_dim] attends, per request b, to the KV slots req_to_token[rows[b], :lens[b]]
 // of k_buffer / v_buffer [slots, kv_heads, head_dim]. Returns [batch, heads, head_dim] in q's dtype.
-// `bf16_dot`: bf16 q and KV take Decode::run_bf16 where the build has AVX512-BF16 (False: the fp32
-// tiles, for comparisons).
+// `bf16_dot`: bf16 q and KV are scored with bf16 dot products (Decode::score_block) where the
+// build has AVX512-BF16 (False: the fp32 tiles, for comparisons).
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
                                   const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
                                   const at::Tensor& seq_lens, double scale, bool share_prefixes, bool bf16_dot) {

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.attention.torch_native_backend import TorchNativeAttnBackend
+from kernels.attention.torch_native_backend import SDPA_LEN_MULTIPLE, TorchNativeAttnBackend
 from mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from srt.model_executor.forward_batch_info import ForwardBatch
@@ -85,6 +85,11 @@ def test_extend_and_decode_match_dense_sdpa(page_size, gqa, seed):
     v_new = torch.cat([v[p:] for v, p in zip(vs, prefix)])
     backend = runner.attn_backend
     backend.init_forward_metadata(fb)
+    # On the CPU each request's SDPA runs padded to a multiple of SDPA_LEN_MULTIPLE, its padded
+    # keys read from the dummy slot 0: poisoned here, a real query that saw one would be far off.
+    assert [pad for *_, pad in backend.extend_rows] == [-e % SDPA_LEN_MULTIPLE for e in ext]
+    pool.get_key_buffer(0)[0].fill_(100.0)
+    pool.get_value_buffer(0)[0].fill_(100.0)
     out = backend.forward(torch.cat(qs).reshape(-1, heads * D), k_new, v_new, layer, fb)
     off = 0
     for i in range(bs):

@@ -13,6 +13,7 @@ Each run leaves its server's log and one JSON line per request (start, TTFT, lat
     python scripts/bench_peers.py --model smollm2                 # the full run (SmolLM2-135M-Instruct)
     python scripts/bench_peers.py --model llama-26m               # the full run on a ~25M-parameter Llama
     python scripts/bench_peers.py --model smollm2 --llama-server /tmp/llama_build/build/bin/llama-server
+    python scripts/bench_peers.py --model llama-26m --workloads random --repeats 5   # medians of 5 paired rounds
 
 Building llama-server offline from PyPI (212 compile steps: tens of minutes on 2 cores):
     pip download --no-binary :all: --no-deps llama-cpp-python==0.3.36 -d /tmp/llama_build
@@ -42,6 +43,7 @@ import random
 import shlex
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -285,12 +287,14 @@ def server_env(threads: Optional[int]) -> Dict[str, str]:
     return env
 
 
-def run_one(workload: str, dtype: str, name: str, model: Path, opts: argparse.Namespace) -> Optional[Dict[str, Any]]:
-    """Start a fresh `name` server, measure `workload` on it, stop it; None (and why, on stderr) if it failed."""
+def run_one(workload: str, dtype: str, name: str, model: Path, opts: argparse.Namespace,
+            rnd: Optional[int] = None) -> Optional[Dict[str, Any]]:
+    """Start a fresh `name` server, measure `workload` on it, stop it; None (and why, on stderr) if it
+    failed. `rnd`: the round of a --repeats run (in the log's name)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    log = opts.log_dir / f"{name}-{dtype}-{workload}.log"
+    log = opts.log_dir / f"{name}-{dtype}-{workload}{'' if rnd is None else f'-round{rnd}'}.log"
     print(f"[bench_peers] {workload} / {dtype} / {name}: starting (log {log})", flush=True)
     server = Launched(name, [], port, log)
     try:
@@ -317,23 +321,52 @@ def ratio(ours: Optional[float], peer: Optional[float]) -> str:
     return f"{ours / peer:.2f}x"
 
 
-def build_rows(results: Dict[Key, Optional[Dict[str, Any]]]) -> List[List[str]]:
-    """One row per (workload, dtype, server) in `results` order, peers compared with ours."""
+def _median(values: List[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def build_rows(results: Dict[Key, Any]) -> List[List[str]]:
+    """One row per (workload, dtype, server) in `results` order, peers compared with ours. A value
+    is one run's summary (None: failed) or the list of its rounds' (`--repeats`): then tok/s is
+    the median with the range, TTFT the median, and a peer's ratios the medians of the per-round
+    ratios against ours (each round runs both servers back to back, so its ratio shares the
+    machine's state of that moment)."""
     rows = []
-    for (workload, dtype, name), summary in results.items():
-        if summary is None:
+    for (workload, dtype, name), value in results.items():
+        runs = value if isinstance(value, list) else [value]
+        done_runs = [s for s in runs if s is not None]
+        if not done_runs:
             rows.append([workload, dtype, name, "failed", "-", "-", "-", "-", "-", "-"])
             continue
+        summary = done_runs[0] if len(runs) == 1 else None
+        rates = [s["output_throughput"] for s in done_runs]
+        tok_s = f"{rates[0]:.1f}" if summary else f"{_median(rates):.1f} ({min(rates):.1f}-{max(rates):.1f})"
+        ttft = _median([s["ttft_ms"]["median"] for s in done_runs])
+        completed = sum(s["completed"] for s in done_runs)
+        done = f"{completed}/{completed + sum(s['failed'] for s in done_runs)}"
+        tokens = f"{sum(s['total_output_tokens'] for s in done_runs)}/{sum(s['expected_output_tokens'] for s in done_runs)}"
+        if len(done_runs) < len(runs):
+            done += f" ({len(runs) - len(done_runs)} runs failed)"
+        hits = [s.get("server_prefix_cache_hit_rate") for s in done_runs]  # None where the server has no /metrics
+        hit = "n/a" if None in hits else f"{_median(hits):.3f}"
+        tok_ratio = ttft_ratio = "-"
         ours = results.get((workload, dtype, "ours")) if name != "ours" else None
-        tok_s, ttft = summary["output_throughput"], summary["ttft_ms"]["median"]
-        done = f"{summary['completed']}/{summary['completed'] + summary['failed']}"
-        tokens = f"{summary['total_output_tokens']}/{summary['expected_output_tokens']}"
-        rate = summary.get("server_prefix_cache_hit_rate")  # None where the server has no /metrics
-        hit = "n/a" if rate is None else f"{rate:.3f}"
-        rows.append([workload, dtype, name, done, tokens, f"{tok_s:.1f}", f"{ttft:.0f}", hit,
-                     ratio(ours["output_throughput"], tok_s) if ours else "-",
-                     ratio(ours["ttft_ms"]["median"], ttft) if ours else "-"])
+        if ours is not None:
+            ours_runs = ours if isinstance(ours, list) else [ours]
+            pairs = [(o, p) for o, p in zip(ours_runs, runs) if o is not None and p is not None]
+            if pairs:
+                tok_ratio = _ratio_of([o["output_throughput"] for o, _ in pairs], [p["output_throughput"] for _, p in pairs])
+                ttft_ratio = _ratio_of([o["ttft_ms"]["median"] for o, _ in pairs], [p["ttft_ms"]["median"] for _, p in pairs])
+        rows.append([workload, dtype, name, done, tokens, tok_s, f"{ttft:.0f}", hit, tok_ratio, ttft_ratio])
     return rows
+
+
+def _ratio_of(ours: List[float], peer: List[float]) -> str:
+    """`ratio` of one pair, or the median of the pairs' ratios."""
+    if len(ours) == 1:
+        return ratio(ours[0], peer[0])
+    ratios = [o / p for o, p in zip(ours, peer) if p]
+    return f"{_median(ratios):.2f}x" if ratios else "-"
 
 
 HEADER = ["workload", "dtype", "server", "requests ok", "out tokens", "out tok/s", "p50 TTFT ms", "prefix hit",
@@ -373,6 +406,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--llama-server", type=Path, default=None, help="Path of a llama-server binary.")
     p.add_argument("--llama-cpp-dir", type=Path, default=None, help="llama.cpp tree with convert_hf_to_gguf.py.")
     p.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for every server, -t for llama.cpp.")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="Rounds per workload and dtype, each running every server (in alternating order); "
+                        "the table gives medians and the median of the per-round ratios.")
     p.add_argument("--our-args", default="", help="Extra flags for launch_server, one string; with the '=' "
                    "when it starts with a dash: --our-args='--enable-torch-compile'.")
     p.add_argument("--transformers-args", default="",
@@ -392,6 +428,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         if opts.llama_server is None or not opts.llama_server.is_file():
             p.error(f"--servers llama.cpp needs --llama-server BIN (an existing file), got {opts.llama_server}")
         opts.llama_cpp_dir = opts.llama_cpp_dir or llama_source_dir(opts.llama_server)
+    if opts.repeats < 1:
+        p.error(f"--repeats must be at least 1, got {opts.repeats}")
     opts.log_dir = opts.log_dir or Path(tempfile.mkdtemp(prefix="bench-peers-"))
     opts.log_dir.mkdir(parents=True, exist_ok=True)
     return opts
@@ -422,16 +460,26 @@ def main(argv: Optional[List[str]] = None) -> int:
     model = resolve_model(opts.model)
     check_context(model, opts)
     print(f"[bench_peers] model {model}, servers {opts.servers}, sizes {opts.sizes}", flush=True)
-    results: Dict[Key, Optional[Dict[str, Any]]] = {}
-    for workload, dtype, name in itertools.product(opts.workloads, opts.dtypes, opts.servers):
-        results[(workload, dtype, name)] = summary = run_one(workload, dtype, name, model, opts)
-        if opts.output:  # line by line, so a run that dies half-way keeps what it measured
-            with opts.output.open("a") as f:
-                f.write(json.dumps({"workload": workload, "dtype": dtype, "server": name, "summary": summary}) + "\n")
+    results: Dict[Key, Any] = {}
+    for workload, dtype in itertools.product(opts.workloads, opts.dtypes):
+        for rnd in range(opts.repeats):
+            # Rounds alternate the servers' order, so a drift of the machine's speed during a
+            # round does not favour the server that always runs first.
+            for name in (opts.servers if rnd % 2 == 0 else opts.servers[::-1]):
+                summary = run_one(workload, dtype, name, model, opts, None if opts.repeats == 1 else rnd)
+                if opts.repeats == 1:
+                    results[(workload, dtype, name)] = summary
+                else:
+                    results.setdefault((workload, dtype, name), []).append(summary)
+                if opts.output:  # line by line, so a run that dies half-way keeps what it measured
+                    with opts.output.open("a") as f:
+                        f.write(json.dumps({"workload": workload, "dtype": dtype, "server": name, "round": rnd,
+                                            "summary": summary}) + "\n")
+    results = {key: results[key] for key in itertools.product(opts.workloads, opts.dtypes, opts.servers)}
     print(f"\nmodel {model.name}, concurrency {opts.sizes.concurrency}; ratios are ours/peer")
     print(format_table(build_rows(results)))
     complete = all(s and not s["failed"] and s["total_output_tokens"] == s["expected_output_tokens"]
-                   for s in results.values())
+                   for v in results.values() for s in (v if isinstance(v, list) else [v]))
     return 0 if complete else 1
 
 

@@ -113,3 +113,44 @@ def test_llama_cpp_tree_is_read_from_the_build_cache_else_above_an_in_tree_build
     in_tree.parent.mkdir(parents=True)
     in_tree.touch()
     assert bp.llama_source_dir(in_tree) == (tmp_path / "llama.cpp").resolve()
+
+
+def test_repeated_rounds_give_medians_and_the_median_of_paired_ratios(bp):
+    # Round 2 ran on a slow machine for both: its pair still says 2x, and the median ratio is
+    # the paired one (2.00x), not the ratio of the medians (90 / 40 = 2.25x).
+    results = {
+        ("random", "bf16", "ours"): [summary(100.0, 10.0, hit=0.0), summary(40.0, 30.0, hit=0.0),
+                                     summary(90.0, 20.0, hit=0.0)],
+        ("random", "bf16", "transformers"): [summary(40.0, 40.0), summary(20.0, 60.0), summary(50.0, 50.0)],
+    }
+    rows = {r[2]: r for r in bp.build_rows(results)}
+    ours, peer = rows["ours"], rows["transformers"]
+    assert ours[3:6] == ["12/12", "192/192", "90.0 (40.0-100.0)"]
+    assert ours[6] == "20" and ours[7] == "0.000"
+    assert peer[5] == "40.0 (20.0-50.0)" and peer[6] == "50"
+    assert peer[8] == "2.00x"  # per-round ratios 2.5, 2.0, 1.8
+    assert peer[9] == "0.40x"  # per-round TTFT ratios 0.25, 0.5, 0.4
+
+
+def test_a_failed_round_drops_its_pair_and_is_counted(bp):
+    results = {
+        ("random", "fp32", "ours"): [summary(60.0, 10.0), None],
+        ("random", "fp32", "transformers"): [summary(20.0, 40.0), summary(10.0, 10.0)],
+    }
+    ours, peer = bp.build_rows(results)
+    assert ours[3] == "4/4 (1 runs failed)" and ours[5] == "60.0 (60.0-60.0)"
+    assert peer[8] == "3.00x"  # only round 1 has both servers
+
+
+def test_repeats_alternate_the_order_of_the_servers(bp, monkeypatch, tmp_path):
+    calls = []
+    monkeypatch.setattr(bp, "resolve_model", lambda name: tmp_path)
+    monkeypatch.setattr(bp, "check_context", lambda model, opts: None)
+    monkeypatch.setattr(bp, "run_one", lambda w, d, name, model, opts, rnd=None: calls.append((name, rnd))
+                        or summary(10.0, 1.0))
+    assert bp.main(["--workloads", "random", "--dtypes", "bf16", "--servers", "ours", "transformers",
+                    "--repeats", "3", "--log-dir", str(tmp_path)]) == 0
+    assert calls == [("ours", 0), ("transformers", 0), ("transformers", 1), ("ours", 1), ("ours", 2),
+                     ("transformers", 2)]
+    with pytest.raises(SystemExit):
+        bp.parse_args(["--repeats", "0"])

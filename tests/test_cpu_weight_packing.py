@@ -241,5 +241,5 @@ def test_gemm_choice_follows_the_cpu_and_the_switch(monkeypatch):
     monkeypatch.setenv("SRT_CPU_GEMM", "onednn")
     assert not cpu_weight_packing.uses_panel_gemm("cpu", torch.float32)
     monkeypatch.setenv("SRT_CPU_GEMM", "mkl")
-    with pytest.raises(ValueError, match=r"\$SRT_CPU_GEMM must be one of auto, srt, onednn, got 'mkl'"):
+    with pytest.raises(ValueError, match=r"\$SRT_CPU_GEMM must be one of auto, srt, onednn, amx, got 'mkl'"):
         cpu_weight_packing.uses_panel_gemm("cpu", torch.float32)

@@ -7,6 +7,13 @@ decode-sized matmuls are slow; srt/layers/cpu_weight_packing.py decides when the
 
 W (`panel_width()`) is two vectors of floats: 16 with AVX2, 32 with AVX-512. fp32 or bf16 weights,
 x and output (bf16 weights are widened in registers), fp32 accumulation, one rounding of the output.
+
+bf16 on AMX tiles (csrc/amx_gemm.cpp), where the build and the CPU have them (`load_amx_ops()`):
+
+    torch.ops.srt_cpu.convert_weight_amx(weight [N, K] bf16) -> tiles [N/16, K/32, 16, 16, 2]
+    torch.ops.srt_cpu.amx_linear(x [M, K] bf16, tiles, bias | None, out_dtype | None) -> [M, N]
+
+N a multiple of 16 and K of 32 (`amx_fits`); fp32 accumulation, output bf16 (default) or fp32.
 """
 
 from __future__ import annotations
@@ -27,6 +34,31 @@ def load_gemm_ops() -> bool:
     torch.library.register_fake("srt_cpu::weight_packed_linear", _weight_packed_linear_fake)
     torch.library.register_fake("srt_cpu::unpack_weight_panels", _unpack_weight_panels_fake)
     return True
+
+
+@functools.lru_cache(maxsize=None)
+def load_amx_ops() -> bool:
+    """Whether the AMX linear ops are usable here: the library builds, it was built for a CPU with
+    AMX tiles, and Linux lets this process use them."""
+    if not build.load_cpu_kernels() or not torch.ops.srt_cpu.amx_linear_available():
+        return False
+    torch.library.register_fake("srt_cpu::convert_weight_amx", _convert_weight_amx_fake)
+    torch.library.register_fake("srt_cpu::amx_linear", _amx_linear_fake)
+    return True
+
+
+def amx_fits(weight: torch.Tensor) -> bool:
+    """Whether a [N, K] weight fits whole AMX tiles (N a multiple of 16, K of 32)."""
+    return weight.dim() == 2 and weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0
+
+
+def _convert_weight_amx_fake(weight):
+    n, k = weight.shape
+    return weight.new_empty(n // 16, k // 32, 16, 16, 2)
+
+
+def _amx_linear_fake(x, packed, bias, out_dtype):
+    return x.new_empty(x.shape[0], packed.shape[0] * 16, dtype=out_dtype or x.dtype)
 
 
 @functools.lru_cache(maxsize=None)

@@ -24,6 +24,13 @@ the AVX2 EPYC, SmolLM2-135M's 120 layer matmuls at 16 rows: 29.6 ms against oneD
 bf16 weights stay bf16 in the panels (widened in registers: half the bytes of the fp32 copy).
 `srt` forces the panels, `onednn` keeps oneDNN; CPUs with AVX-512 keep oneDNN under `auto`.
 
+AMX tiles (`SRT_CPU_GEMM=auto` or `amx`, bf16, a CPU with AMX): bf16 weights are packed into
+kernels/cpu/gemm.py's AMX tiles instead, for our own tile kernel. oneDNN's AMX matmul costs tens of
+microseconds a call whatever the size, which at decode sizes is most of the call: on the Xeon with
+AMX of README ("AMX linears"), llama-26m's four layer matmuls at 16 rows took 15.4 us a call on the
+tiles against 36.2 through oneDNN; at 1,024 rows 0.9x of oneDNN's speed, with no JIT for new row
+counts. A weight whose shape does not fit whole tiles keeps oneDNN's layout.
+
 Off on CUDA, for other dtypes, where torch has no oneDNN (and the panel kernels do not build),
 under `--enable-torch-compile` (inductor cannot trace an opaque oneDNN tensor: the compiled decode
 freezes the dense weights and inductor packs its own copy per graph, `frozen_weight_nbytes`) and
@@ -39,13 +46,13 @@ from typing import Optional
 import torch
 from torch import nn
 
-from kernels.cpu.gemm import load_gemm_ops, panel_width
+from kernels.cpu.gemm import amx_fits, load_amx_ops, load_gemm_ops, panel_width
 from srt.environ import envs
 
 logger = logging.getLogger(__name__)
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
-GEMM_CHOICES = ("auto", "srt", "onednn")
+GEMM_CHOICES = ("auto", "srt", "onednn", "amx")
 # Panels, prefill-sized inputs: the panel kernel re-reads the weights for every 96-row block and ran
 # matmuls of a few hundred rows and more at 75-95% of oneDNN's speed, so from this many rows the
 # weight is laid back out as dense fp32 [in, out] for the call (a copy of its bytes) and BLAS runs it.
@@ -104,6 +111,13 @@ def cpu_has_avx512() -> bool:
     return torch.backends.cpu.get_cpu_capability().upper().startswith("AVX512")
 
 
+def uses_amx_gemm(device: str, dtype: torch.dtype) -> bool:
+    """Whether bf16 linear weights are packed into AMX tiles for kernels/cpu/gemm.py's tile kernel
+    here: `SRT_CPU_GEMM` `auto` or `amx` on a CPU (and build) with AMX tiles."""
+    return (str(device).startswith("cpu") and dtype == torch.bfloat16 and cpu_gemm_choice() in ("auto", "amx")
+            and load_amx_ops())
+
+
 def uses_panel_gemm(device: str, dtype: torch.dtype) -> bool:
     """Whether linear weights of this dtype are packed into panels for kernels/cpu/gemm.py here:
     `SRT_CPU_GEMM=srt`, or `auto` on a CPU without AVX-512 (where they were measured faster than
@@ -124,12 +138,15 @@ def widens_bf16(device: str, dtype: torch.dtype) -> bool:
             and packing_supported(device, torch.float32))
 
 
-def pack_weight(weight: torch.Tensor, widen: bool = False, panels: bool = False) -> torch.Tensor:
+def pack_weight(weight: torch.Tensor, widen: bool = False, panels: bool = False, amx: bool = False) -> torch.Tensor:
     """`weight` [out, in] reordered into oneDNN's blocked layout (an opaque mkldnn tensor); with
-    `widen`, as fp32; with `panels`, into kernels/cpu/gemm.py's column panels (same dtype)."""
+    `widen`, as fp32; with `panels`, into kernels/cpu/gemm.py's column panels (same dtype); with
+    `amx`, into its AMX tiles where the shape fits them (`amx_fits`), else oneDNN's layout."""
     weight = weight.detach().contiguous()
     if panels:
         return torch.ops.srt_cpu.convert_weight_packed(weight)
+    if amx and amx_fits(weight):
+        return torch.ops.srt_cpu.convert_weight_amx(weight)
     return torch.ops.mkldnn._reorder_linear_weight(weight.float() if widen else weight, BATCH_SIZE_HINT)
 
 
@@ -139,6 +156,10 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Te
     takes x and bias to fp32; the output is in `out_dtype` (default x's dtype). Panels need
     `out_features` (the weight's rows) when that is not a whole number of panels."""
     out_dtype = out_dtype or x.dtype
+    if packed.dim() == 5:  # AMX tiles
+        x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        out = torch.ops.srt_cpu.amx_linear(x2, packed, bias, out_dtype)
+        return out.view(*x.shape[:-1], out.shape[-1])
     if not packed.is_mkldnn:
         n = out_features or packed.shape[0] * packed.shape[2]
         x2 = x.reshape(-1, x.shape[-1])
@@ -266,10 +287,17 @@ def pack_model_weights(model: nn.Module, device: str, dtype: torch.dtype, enable
                            frozen_weight_nbytes(model, device, dtype, torch_compile_max_bs) / 2**30)
         return 0
     widen, panels, head = widens_bf16(device, dtype), uses_panel_gemm(device, dtype), _tied_head(model)
+    amx = not panels and uses_amx_gemm(device, dtype)
     modules = _packable(model, dtype)
     for module in modules:
-        set_packed_weight(module, pack_weight(module.weight, widen, panels), free_dense=module is not head)
-    if panels:
+        set_packed_weight(module, pack_weight(module.weight, widen, panels, amx), free_dense=module is not head)
+    tiles = sum(module.packed_weight.dim() == 5 for module in modules)
+    if tiles:
+        logger.info("Packed %d CPU linear weights into AMX tiles for the C++ tile kernel (kernels/cpu/gemm.py; "
+                    "SRT_CPU_GEMM=onednn keeps oneDNN's layout)%s.", tiles,
+                    f", {len(modules) - tiles} into oneDNN's (shapes that are not whole tiles)"
+                    if tiles < len(modules) else "")
+    elif panels:
         logger.info("Packed %d CPU linear weights into %d-column panels for the C++ panel GEMM (kernels/cpu/gemm.py; "
                     "SRT_CPU_GEMM=onednn keeps oneDNN's layout).", len(modules), panel_width())
     elif widen:

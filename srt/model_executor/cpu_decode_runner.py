@@ -60,12 +60,16 @@ class _Layer(NamedTuple):
 
 
 def _bind_linear(module: LinearBase, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
-    """`module(x)` as one call: oneDNN's packed linear directly where the weight is packed in the
-    model's dtype (what `packed_linear` runs for it), the layer's own code otherwise."""
+    """`module(x)` as one call: the AMX tile kernel or oneDNN's packed linear directly where the
+    weight is packed for them in the model's dtype (what `packed_linear` runs for it), the layer's
+    own code otherwise."""
     row_parallel = isinstance(module, RowParallelLinear)
     if row_parallel and (module.tp_size > 1 or module.bias is not None):
         return module.forward  # all-reduce, then the bias
     packed, bias = module.packed_weight, module.bias
+    if packed is not None and packed.dim() == 5 and dtype == torch.bfloat16:  # AMX tiles (kernels/cpu/gemm.py)
+        amx_linear = torch.ops.srt_cpu.amx_linear
+        return lambda x: amx_linear(x, packed, bias, None)
     if packed is not None and packed.is_mkldnn and packed.dtype == dtype:
         linear = torch.ops.mkldnn._linear_pointwise
         return lambda x: linear(x, packed, bias, "none", [], "")

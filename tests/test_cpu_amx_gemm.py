@@ -88,6 +88,7 @@ def test_gemm_choice_puts_bf16_on_tiles_unless_switched_off(monkeypatch):
     assert not cpu_weight_packing.uses_amx_gemm("cpu", torch.bfloat16)
     monkeypatch.setenv("SRT_CPU_GEMM", "amx")
     assert cpu_weight_packing.uses_amx_gemm("cpu", torch.bfloat16)
+    assert not cpu_weight_packing.uses_panel_gemm("cpu", torch.bfloat16)  # panels would take precedence
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])

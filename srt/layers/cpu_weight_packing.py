@@ -125,7 +125,7 @@ def uses_panel_gemm(device: str, dtype: torch.dtype) -> bool:
     if not (str(device).startswith("cpu") and dtype in PACKABLE_DTYPES):
         return False
     choice = cpu_gemm_choice()
-    if choice == "onednn" or (choice == "auto" and cpu_has_avx512()):
+    if choice in ("onednn", "amx") or (choice == "auto" and cpu_has_avx512()):
         return False
     return load_gemm_ops()
 

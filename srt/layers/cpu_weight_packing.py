@@ -28,8 +28,9 @@ AMX tiles (`SRT_CPU_GEMM=auto` or `amx`, bf16, a CPU with AMX): bf16 weights are
 kernels/cpu/gemm.py's AMX tiles instead, for our own tile kernel. oneDNN's AMX matmul costs tens of
 microseconds a call whatever the size, which at decode sizes is most of the call: on the Xeon with
 AMX of README ("AMX linears"), llama-26m's four layer matmuls at 16 rows took 15.4 us a call on the
-tiles against 36.2 through oneDNN; at 1,024 rows 0.9x of oneDNN's speed, with no JIT for new row
-counts. A weight whose shape does not fit whole tiles keeps oneDNN's layout.
+tiles against 36.2 through oneDNN. At prefill sizes it ran at 0.74-1.41x oneDNN's speed (slowest
+at 64-256 rows and in 4,096-row prefills), with no JIT for row counts it has not seen. A weight
+whose shape does not fit whole tiles keeps oneDNN's layout.
 
 Off on CUDA, for other dtypes, where torch has no oneDNN (and the panel kernels do not build),
 under `--enable-torch-compile` (inductor cannot trace an opaque oneDNN tensor: the compiled decode

@@ -39,6 +39,19 @@ def greedy_run(runner: ModelRunner, prompts: Sequence[Sequence[int]], steps: int
     return toks, first
 
 
+def assert_bf16_close_to_dense(packed: ModelRunner, model_path, prompts, monkeypatch, steps: int = 8) -> ModelRunner:
+    """A bf16 runner with packed weights against the same model with packing off (the oracle):
+    first logits within bf16 noise and at least 90% of the greedy tokens equal. Returns the dense
+    runner; packing stays off (monkeypatch) for the rest of the test."""
+    toks, logits = greedy_run(packed, prompts, steps=steps)
+    monkeypatch.setenv("SRT_CPU_WEIGHT_PACKING", "0")
+    dense = make_runner(model_path, dtype="bfloat16")
+    ref_toks, ref_logits = greedy_run(dense, prompts, steps=steps)
+    torch.testing.assert_close(logits, ref_logits, rtol=0.05, atol=0.05)
+    assert sum(a == b for t, r in zip(toks, ref_toks) for a, b in zip(t, r)) >= 0.9 * sum(map(len, toks))
+    return dense
+
+
 def assert_pool_conserved(runner: ModelRunner) -> None:
     """Every KV slot back in the allocator and every request row free."""
     assert runner.token_to_kv_pool_allocator.available_size() == runner.max_total_num_tokens

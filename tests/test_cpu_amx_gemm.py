@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_utils import assert_pool_conserved, greedy_run, make_runner, random_prompts
+from model_utils import assert_bf16_close_to_dense, assert_pool_conserved, make_runner, random_prompts
 from kernels.cpu.gemm import amx_fits, load_amx_ops
 from srt.layers import cpu_weight_packing
 from srt.layers.cpu_weight_packing import pack_weight, packed_linear
@@ -17,8 +17,8 @@ ops = torch.ops.srt_cpu if load_amx_ops() else None
 
 
 def _weight(n, k, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return (torch.randn(n, k, generator=g, device="cpu") * 0.05).bfloat16()
 
 
 def test_tiles_hold_input_pairs_of_sixteen_columns():
@@ -34,8 +34,8 @@ def test_tiles_hold_input_pairs_of_sixteen_columns():
 @pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
 def test_fp32_output_equals_the_fp32_product_of_the_bf16_numbers(rows, n, k, bias):
     w = _weight(n, k)
-    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)).bfloat16()
-    b = torch.randn(n, generator=torch.Generator().manual_seed(2)) if bias else None
+    x = torch.randn(rows, k, device="cpu", generator=torch.Generator(device="cpu").manual_seed(1)).bfloat16()
+    b = torch.randn(n, device="cpu", generator=torch.Generator(device="cpu").manual_seed(2)) if bias else None
     ref = x.double() @ w.double().t() + (0 if b is None else b.double())
     out = ops.amx_linear(x, ops.convert_weight_amx(w), b, torch.float32)
     assert out.dtype == torch.float32 and out.shape == (rows, n)
@@ -50,7 +50,7 @@ def test_a_row_is_the_same_alone_and_among_others():
     row tile or prefill's two), so a request's logits never depend on who shares its batch."""
     w = _weight(96, 256)
     t = ops.convert_weight_amx(w)
-    x = torch.randn(70, 256, generator=torch.Generator().manual_seed(3)).bfloat16()
+    x = torch.randn(70, 256, device="cpu", generator=torch.Generator(device="cpu").manual_seed(3)).bfloat16()
     full = ops.amx_linear(x, t, None, torch.float32)
     for i in (0, 15, 16, 45, 69):
         assert torch.equal(ops.amx_linear(x[i : i + 1], t, None, torch.float32)[0], full[i])
@@ -61,7 +61,7 @@ def test_packed_linear_runs_tiles_for_batched_inputs_and_keeps_onednn_for_other_
     w = _weight(64, 96)
     tiles = pack_weight(w, amx=True)
     assert tiles.dim() == 5 and not tiles.is_mkldnn
-    x = torch.randn(2, 3, 96).bfloat16()
+    x = torch.randn(2, 3, 96, device="cpu").bfloat16()
     out = packed_linear(x, tiles, out_dtype=torch.float32)
     torch.testing.assert_close(out, (x.float() @ w.float().t()), rtol=1e-5, atol=1e-5)
     assert not amx_fits(_weight(60, 96)) and not amx_fits(_weight(64, 100))
@@ -71,13 +71,13 @@ def test_packed_linear_runs_tiles_for_batched_inputs_and_keeps_onednn_for_other_
 def test_bad_inputs_are_refused_with_what_was_given():
     t = ops.convert_weight_amx(_weight(32, 64))
     with pytest.raises(RuntimeError, match=r"x has 32 features, the weight 64"):
-        ops.amx_linear(torch.zeros(2, 32, dtype=torch.bfloat16), t, None, None)
+        ops.amx_linear(torch.zeros(2, 32, dtype=torch.bfloat16, device="cpu"), t, None, None)
     with pytest.raises(RuntimeError, match=r"x must be a bf16 \[M, K\]"):
-        ops.amx_linear(torch.zeros(2, 64), t, None, None)
+        ops.amx_linear(torch.zeros(2, 64, device="cpu"), t, None, None)
     with pytest.raises(RuntimeError, match=r"N must be a multiple of 16 and K of 32, got 20 x 64"):
         ops.convert_weight_amx(_weight(20, 64))
     with pytest.raises(RuntimeError, match=r"bias has 3 values for 32 outputs"):
-        ops.amx_linear(torch.zeros(2, 64, dtype=torch.bfloat16), t, torch.zeros(3), None)
+        ops.amx_linear(torch.zeros(2, 64, dtype=torch.bfloat16, device="cpu"), t, torch.zeros(3, device="cpu"), None)
 
 
 def test_gemm_choice_puts_bf16_on_tiles_unless_switched_off(monkeypatch):
@@ -98,11 +98,6 @@ def test_bf16_model_on_tiles_matches_its_dense_self(tiny_model_factory, monkeypa
     tiles = make_runner(path, dtype="bfloat16")
     layers = [m for m in tiles.model.modules() if getattr(m, "packed_weight", None) is not None]
     assert layers and all(m.packed_weight.dim() == 5 for m in layers), "every linear and the head on tiles"
-    toks, logits = greedy_run(tiles, prompts, steps=8)
-    monkeypatch.setenv("SRT_CPU_WEIGHT_PACKING", "0")
-    dense = make_runner(path, dtype="bfloat16")
-    ref_toks, ref_logits = greedy_run(dense, prompts, steps=8)
-    torch.testing.assert_close(logits, ref_logits, rtol=0.05, atol=0.05)
-    assert sum(a == b for t, r in zip(toks, ref_toks) for a, b in zip(t, r)) >= 0.9 * sum(map(len, toks))
+    dense = assert_bf16_close_to_dense(tiles, path, prompts, monkeypatch)
     assert_pool_conserved(tiles)
     assert_pool_conserved(dense)

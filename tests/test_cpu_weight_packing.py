@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model_utils import assert_pool_conserved, greedy_run, make_runner, random_prompts
+from model_utils import assert_bf16_close_to_dense, assert_pool_conserved, greedy_run, make_runner, random_prompts
 from srt.layers.linear import LinearBase
 from srt.check_config_weights import loaded_model_nbytes
 from srt.configs.model_config import ModelConfig
@@ -174,13 +174,8 @@ def test_bf16_model_without_bf16_matmuls_runs_on_widened_weights(tiny_model_fact
     assert layers and all(m.packed_weight.dtype == torch.float32 and m.weight.numel() == 0 for m in layers)
     assert wide.model.model.embed_tokens.weight.dtype == torch.bfloat16
     assert wide.token_to_kv_pool.k_buffer[0].dtype == torch.bfloat16
-    toks, logits = greedy_run(wide, prompts, steps=8)
     monkeypatch.setenv("SRT_CPU_WIDEN_BF16", "0")
-    monkeypatch.setenv("SRT_CPU_WEIGHT_PACKING", "0")
-    dense = make_runner(path, dtype="bfloat16")
-    ref_toks, ref_logits = greedy_run(dense, prompts, steps=8)
-    torch.testing.assert_close(logits, ref_logits, rtol=0.05, atol=0.05)
-    assert sum(a == b for t, r in zip(toks, ref_toks) for a, b in zip(t, r)) >= 0.9 * sum(map(len, toks))
+    dense = assert_bf16_close_to_dense(wide, path, prompts, monkeypatch)
     # Every linear weight (and a tied head's copy) now takes 4 bytes a value instead of 2.
     extra = sum(m.weight.numel() * 2 for m in _linears(dense.model))
     head = dense.model.lm_head.weight.numel()
@@ -208,12 +203,7 @@ def test_bf16_model_on_panels_keeps_bf16_weights(tiny_model_factory, monkeypatch
     layers = _linears(panels.model)
     assert layers and all(m.packed_weight.dtype == torch.bfloat16 and not m.packed_weight.is_mkldnn
                           and m.weight.numel() == 0 for m in layers)
-    toks, logits = greedy_run(panels, prompts, steps=8)
-    monkeypatch.setenv("SRT_CPU_WEIGHT_PACKING", "0")
-    dense = make_runner(path, dtype="bfloat16")
-    ref_toks, ref_logits = greedy_run(dense, prompts, steps=8)
-    torch.testing.assert_close(logits, ref_logits, rtol=0.05, atol=0.05)
-    assert sum(a == b for t, r in zip(toks, ref_toks) for a, b in zip(t, r)) >= 0.9 * sum(map(len, toks))
+    dense = assert_bf16_close_to_dense(panels, path, prompts, monkeypatch)
     head = panels.model.lm_head
     extra = _padded_rows(head.packed_out_features, "srt") * head.packed_weight.shape[1] * 2 if tied else 0
     extra += sum((_padded_rows(m.packed_out_features, "srt") - m.packed_out_features) * m.packed_weight.shape[1] * 2

@@ -5,6 +5,8 @@ code they replace stays as the fallback and as the oracle of tests/test_cpu_elem
     torch.ops.srt_cpu.rms_norm(x, residual | None, weight, eps) -> (out, new residual or empty)
     torch.ops.srt_cpu.silu_and_mul(x) -> silu(x[:, :d]) * x[:, d:]
     torch.ops.srt_cpu.rotary_embedding(positions, q, k, cos_cache, sin_cache) -> (q, k)
+    torch.ops.srt_cpu.store_kv(k_buffer, v_buffer, loc, k, v) writes k and v [n, kv_heads, head_dim]
+        into the pool's buffers at slots loc (the pool's index_copy_; any dtype, slots checked first)
     torch.ops.srt_cpu.argmax_rows(logits [rows, vocab]) -> [rows] int64 (csrc/sampling.cpp: the
         sampler's greedy rows; torch.argmax's answer, ties and NaN included)
 
@@ -30,6 +32,7 @@ def load_fused_ops() -> bool:
     torch.library.register_fake("srt_cpu::silu_and_mul", _silu_and_mul_fake)
     torch.library.register_fake("srt_cpu::rotary_embedding", _rotary_embedding_fake)
     torch.library.register_fake("srt_cpu::argmax_rows", _argmax_rows_fake)
+    torch.library.register_fake("srt_cpu::store_kv", _store_kv_fake)
     return True
 
 
@@ -47,3 +50,7 @@ def _rotary_embedding_fake(positions, q, k, cos_cache, sin_cache):
 
 def _argmax_rows_fake(logits):
     return logits.new_empty(logits.shape[0], dtype=torch.int64)
+
+
+def _store_kv_fake(k_buffer, v_buffer, loc, k, v):
+    return None

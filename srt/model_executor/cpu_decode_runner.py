@@ -173,8 +173,7 @@ class CpuDecodeRunner:
                 q, k = layer.project_qk(q, k)
             q, k = ops.rotary_embedding(positions, q, k, layer.cos, layer.sin)
             k_buffer, v_buffer = k_buffers[layer.layer_id], v_buffers[layer.layer_id]
-            k_buffer.index_copy_(0, loc, k)
-            v_buffer.index_copy_(0, loc, v.reshape(-1, layer.num_kv_heads, layer.head_dim))
+            ops.store_kv(k_buffer, v_buffer, loc, k, v.reshape(-1, layer.num_kv_heads, layer.head_dim))
             q = q.reshape(-1, layer.split[0]).reshape(-1, layer.num_heads, layer.head_dim)
             out = self.paged_decode(q, k_buffer, v_buffer, req_to_token, rows, seq_lens, layer.scaling)
             hidden = layer.o_proj(out.view(-1, layer.split[0]))

@@ -119,6 +119,63 @@ inline void score_rows(const float* const* q, const float* kt, float* const* out
   if (rows - r == 1) rest(score_tile<1, All>, 1);
 }
 
+#if defined(__AVX512F__)
+#define SRT_CPU_DIRECT_SCORES 1
+
+// Sixteen sums at once: lane p of the result is the sum of the lanes of a[4 * (p % 4) + p / 4].
+// Four rounds of shuffles and adds halve the vectors each time (256-bit halves, 128-bit blocks,
+// pairs, neighbours), so every sum adds lane l to lane l + 8, then l + 4, l + 2, l + 1: the
+// same association for every vector, whatever the vectors beside it.
+inline __m512 sum_lanes16(__m512 a[16]) {
+  __m512 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i) {
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+  }
+  for (int i = 0; i < 4; ++i) {
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+  }
+  for (int i = 0; i < 2; ++i) {
+    d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0xEE));
+  }
+  return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
+}
+
+// q . key over the head dim (a multiple of 16) as sixteen lane partials: one FMA chain per lane.
+template <typename kv_t>
+inline __m512 dot_lanes(const float* q, const kv_t* key, int64_t dim) {
+  __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), (__m512)vload(key));
+  for (int64_t d = 16; d < dim; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), (__m512)vload(key + d), acc);
+  return acc;
+}
+
+// Scores of `rows` query rows against the block's n key rows where they lie in the pool: no
+// transposed copy of the block, which cost several times the products themselves when a kv
+// head has only a few query rows (decode). Per row and sixteen keys: one dot_lanes chain per key,
+// then sum_lanes16. Lanes past n score 0. `dim` a multiple of 16.
+template <typename kv_t>
+inline void score_rows_direct(const float* const* q, const kv_t* const* keys, float* const* out, int64_t rows,
+                              int64_t n, int64_t dim) {
+  static_assert(kBlockTokens % 16 == 0, "whole groups of sixteen keys");
+  for (int64_t j0 = 0; j0 < kBlockTokens; j0 += 16) {
+    if (j0 >= n) {
+      for (int64_t r = 0; r < rows; ++r) _mm512_storeu_ps(out[r] + j0, _mm512_setzero_ps());
+      continue;
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      __m512 a[16];
+      for (int i = 0; i < 16; ++i) {
+        const int64_t j = j0 + 4 * (i % 4) + i / 4;  // lane j - j0 of sum_lanes16's result
+        a[i] = j < n ? dot_lanes(q[r], keys[j], dim) : _mm512_setzero_ps();
+      }
+      _mm512_storeu_ps(out[r] + j0, sum_lanes16(a));
+    }
+  }
+}
+#endif
+
 // Online softmax of one row over a block whose first `limit` keys it may see: fold them into
 // the running max and sum, rescale the running output, leave the probabilities in the scores
 // (zero for the keys it may not see).

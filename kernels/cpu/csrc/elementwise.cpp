@@ -11,6 +11,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <tuple>
 #include <vector>
 
@@ -227,10 +228,11 @@ std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& positions,
               "cos/sin tables must be [max_position, head_dim]");
   const at::Tensor pos = positions.to(at::kLong).contiguous();
   TORCH_CHECK(pos.dim() == 1 && pos.size(0) == q.size(0), "positions must be [n]");
-  if (pos.numel() > 0) {
-    const int64_t lo = pos.min().item<int64_t>(), hi = pos.max().item<int64_t>();
-    TORCH_CHECK(lo >= 0 && hi < cos_cache.size(0), "positions [", lo, ", ", hi, "] outside the RoPE table of ",
-                cos_cache.size(0), " rows");
+  // A plain loop: two aten reductions (min, max) cost more than the rotation of a decode step.
+  const int64_t* p = pos.data_ptr<int64_t>();
+  for (int64_t i = 0; i < pos.numel(); ++i) {
+    TORCH_CHECK(p[i] >= 0 && p[i] < cos_cache.size(0), "position ", p[i], " (token ", i,
+                ") outside the RoPE table of ", cos_cache.size(0), " rows");
   }
   const at::Tensor cos = cos_cache.contiguous(), sin = sin_cache.contiguous();
   at::Tensor q_out = at::empty(q.sizes(), q.options()), k_out = at::empty(k.sizes(), k.options());
@@ -246,16 +248,79 @@ std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& positions,
   return {q_out, k_out};
 }
 
+// ------------------------------------------------------------------------------ KV pool writes
+// k and v [n, kv_heads, dim] written into k_buffer / v_buffer [slots, kv_heads, dim] at slots
+// loc[i]: the pool's index_copy_, as plain row copies (any dtype, the bytes as they are). Every
+// slot is checked before anything is written.
+template <typename index_t>
+void store_rows(const at::Tensor& buffer, const at::Tensor& src, const index_t* loc, int64_t n) {
+  const int64_t heads = src.size(1), bytes = src.size(2) * src.element_size();
+  const int64_t b_s0 = buffer.stride(0) * buffer.element_size(), b_s1 = buffer.stride(1) * buffer.element_size();
+  const int64_t s_s0 = src.stride(0) * src.element_size(), s_s1 = src.stride(1) * src.element_size();
+  char* dst = static_cast<char*>(buffer.data_ptr());
+  const char* from = static_cast<const char*>(src.data_ptr());
+  const bool whole_rows = b_s1 == bytes && s_s1 == bytes;  // a slot's heads back to back on both sides
+  at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      char* row = dst + static_cast<int64_t>(loc[i]) * b_s0;
+      const char* in = from + i * s_s0;
+      if (whole_rows) {
+        std::memcpy(row, in, heads * bytes);
+      } else {
+        for (int64_t h = 0; h < heads; ++h) std::memcpy(row + h * b_s1, in + h * s_s1, bytes);
+      }
+    }
+  });
+}
+
+void store_kv(const at::Tensor& k_buffer, const at::Tensor& v_buffer, const at::Tensor& loc, const at::Tensor& k,
+              const at::Tensor& v) {
+  for (const at::Tensor* t : {&k_buffer, &v_buffer, &loc, &k, &v}) {
+    TORCH_CHECK(t->device().is_cpu(), "store_kv takes CPU tensors only, got ", t->device());
+  }
+  TORCH_CHECK(k_buffer.dim() == 3 && v_buffer.dim() == 3 && k.dim() == 3 && v.dim() == 3,
+              "store_kv: buffers [slots, kv_heads, head_dim] and rows [n, kv_heads, head_dim], got ",
+              k_buffer.sizes(), ", ", v_buffer.sizes(), ", ", k.sizes(), ", ", v.sizes());
+  TORCH_CHECK(k.sizes().slice(1) == k_buffer.sizes().slice(1) && v.sizes().slice(1) == v_buffer.sizes().slice(1) &&
+                  k.size(0) == v.size(0) && k_buffer.size(0) == v_buffer.size(0),
+              "store_kv: rows ", k.sizes(), " / ", v.sizes(), " do not fit buffers ", k_buffer.sizes(), " / ",
+              v_buffer.sizes());
+  TORCH_CHECK(k.scalar_type() == k_buffer.scalar_type() && v.scalar_type() == v_buffer.scalar_type(),
+              "store_kv: rows must have the buffers' dtype (", k_buffer.scalar_type(), "), got ", k.scalar_type());
+  for (const at::Tensor* t : {&k_buffer, &v_buffer, &k, &v}) {
+    TORCH_CHECK(t->stride(2) == 1, "store_kv: the head_dim axis must be contiguous");
+  }
+  TORCH_CHECK(loc.dim() == 1 && loc.size(0) == k.size(0), "store_kv: loc must be [n] with n = ", k.size(0));
+  TORCH_CHECK(loc.scalar_type() == at::kLong || loc.scalar_type() == at::kInt, "store_kv: loc must be int64 or int32");
+  const at::Tensor slots = loc.contiguous();
+  const int64_t n = slots.size(0), size = k_buffer.size(0);
+  auto run = [&](const auto* idx) {
+    for (int64_t i = 0; i < n; ++i) {
+      TORCH_CHECK(idx[i] >= 0 && idx[i] < size, "store_kv: slot ", static_cast<int64_t>(idx[i]), " (row ", i,
+                  ") outside the pool of ", size, " slots");
+    }
+    store_rows(k_buffer, k, idx, n);
+    store_rows(v_buffer, v, idx, n);
+  };
+  if (slots.scalar_type() == at::kLong) {
+    run(slots.data_ptr<int64_t>());
+  } else {
+    run(slots.data_ptr<int32_t>());
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(srt_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("rotary_embedding(Tensor positions, Tensor q, Tensor k, Tensor cos_cache, Tensor sin_cache) -> (Tensor, Tensor)");
+  m.def("store_kv(Tensor(a!) k_buffer, Tensor(b!) v_buffer, Tensor loc, Tensor k, Tensor v) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(srt_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary_embedding", &rotary_embedding);
+  m.impl("store_kv", &store_kv);
 }

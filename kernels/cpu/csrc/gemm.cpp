@@ -33,7 +33,7 @@ using srt_cpu::vload;
 using srt_cpu::vstore;
 
 constexpr int64_t kPanel = 2 * kLanes;  // output columns per panel: two vectors
-constexpr int kRows = 6;                // rows per micro-tile: 12 accumulators + 2 weight vectors + 1 broadcast
+constexpr int kRows = kLanes == 16 ? 12 : 6;  // rows per micro-tile: 2 * kRows accumulators + 2 weight vectors + 1 broadcast
 constexpr int64_t kChunk = 64;          // k rows per chunk (64 x kPanel fp32 = 4 KiB on AVX2)
 // Rows of x per task, a multiple of kRows: a prefill's row tiles share each chunk read. With 48
 // rows, prefill-sized matmuls ran at 60-70% of oneDNN's speed; with 96 (a chunk of x, 24 KiB,
@@ -46,7 +46,7 @@ constexpr int64_t kUnpackPanels = 8;       // panels per block (per task) of unp
 template <typename W, int MB>
 inline void tile(const float* x, int64_t ldx, const W* w_rows, int64_t n, float* c, bool first, bool prefetch) {
   vfloat lo[MB], hi[MB];
-#pragma GCC unroll 8
+#pragma GCC unroll 16
   for (int i = 0; i < MB; ++i) {
     lo[i] = first ? vfloat{} : vload(c + i * kPanel);
     hi[i] = first ? vfloat{} : vload(c + i * kPanel + kLanes);
@@ -55,14 +55,14 @@ inline void tile(const float* x, int64_t ldx, const W* w_rows, int64_t n, float*
     const W* w = w_rows + k * kPanel;
     if (prefetch) __builtin_prefetch(w + kPrefetchRows * kPanel, 0, 3);
     const vfloat b0 = vload(w), b1 = vload(w + kLanes);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int i = 0; i < MB; ++i) {
       const vfloat a = vbroadcast(x[i * ldx + k]);
       lo[i] += a * b0;
       hi[i] += a * b1;
     }
   }
-#pragma GCC unroll 8
+#pragma GCC unroll 16
   for (int i = 0; i < MB; ++i) {
     vstore(c + i * kPanel, lo[i]);
     vstore(c + i * kPanel + kLanes, hi[i]);
@@ -73,6 +73,12 @@ template <typename W>
 inline void tile_rows(int rows, const float* x, int64_t ldx, const W* w_rows, int64_t n, float* c, bool first,
                       bool prefetch) {
   switch (rows) {
+    case 12: return tile<W, 12>(x, ldx, w_rows, n, c, first, prefetch);
+    case 11: return tile<W, 11>(x, ldx, w_rows, n, c, first, prefetch);
+    case 10: return tile<W, 10>(x, ldx, w_rows, n, c, first, prefetch);
+    case 9: return tile<W, 9>(x, ldx, w_rows, n, c, first, prefetch);
+    case 8: return tile<W, 8>(x, ldx, w_rows, n, c, first, prefetch);
+    case 7: return tile<W, 7>(x, ldx, w_rows, n, c, first, prefetch);
     case 6: return tile<W, 6>(x, ldx, w_rows, n, c, first, prefetch);
     case 5: return tile<W, 5>(x, ldx, w_rows, n, c, first, prefetch);
     case 4: return tile<W, 4>(x, ldx, w_rows, n, c, first, prefetch);

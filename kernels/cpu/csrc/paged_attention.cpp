@@ -188,8 +188,9 @@ struct Decode {
     for (int64_t i = 0; i < t.count; ++i) finish(members[i], Query(s, i));
   }
 
-  // The block's scores of kv head `kv_head`'s query rows. fp32 tiles: the K rows transposed as
-  // fp32 and scored against the scaled fp32 queries. bf16 dot: the K rows transposed by pairs of
+  // The block's scores of kv head `kv_head`'s query rows. fp32: with AVX-512 and a head dim of
+  // whole vectors, the scaled fp32 queries against the K rows in place (score_rows_direct); else
+  // the K rows transposed as fp32 tiles first. bf16 dot: the K rows transposed by pairs of
   // the head dim (half the bytes) and scored with vdpbf16ps against the bf16 queries, the scale
   // applied to the fp32 dot product (bf16_dot_tiles.h).
   void score_block(int64_t kv_head, int64_t query_rows, int64_t n, Scratch& s, bool bf16_dot) const {
@@ -204,6 +205,15 @@ struct Decode {
         srt_cpu::score_rows_bf16(s.qb_rows.data(), s.kt_pairs.data(), s.score_rows.data(), query_rows, pairs, scale);
         return;
       }
+    }
+#endif
+#if defined(SRT_CPU_DIRECT_SCORES)
+    // A decode task has few query rows per kv head (its group, times its members): scoring the
+    // K rows in place beats transposing each block first (1.04-1.06x the op, 16 x 300 fp32).
+    if (dim % 16 == 0) {
+      srt_cpu::score_rows_direct(s.q_rows.data(), pool_rows(k, k_s0, k_s1, kv_head, n, s), s.score_rows.data(),
+                                 query_rows, n, dim);
+      return;
     }
 #endif
     srt_cpu::transpose_keys(pool_rows(k, k_s0, k_s1, kv_head, n, s), n, dim, s.kt.data());

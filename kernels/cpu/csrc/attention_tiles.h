@@ -143,18 +143,11 @@ inline __m512 sum_lanes16(__m512 a[16]) {
   return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
 }
 
-// q . key over the head dim (a multiple of 16) as sixteen lane partials: one FMA chain per lane.
-template <typename kv_t>
-inline __m512 dot_lanes(const float* q, const kv_t* key, int64_t dim) {
-  __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), (__m512)vload(key));
-  for (int64_t d = 16; d < dim; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), (__m512)vload(key + d), acc);
-  return acc;
-}
-
 // Scores of `rows` query rows against the block's n key rows where they lie in the pool: no
 // transposed copy of the block, which cost several times the products themselves when a kv
-// head has only a few query rows (decode). Per row and sixteen keys: one dot_lanes chain per key,
-// then sum_lanes16. Lanes past n score 0. `dim` a multiple of 16.
+// head has only a few query rows (decode). Per row and sixteen keys: sixteen independent FMA
+// chains over the head dim's vectors (one per key, so the chains overlap in the pipeline), then
+// sum_lanes16. Lanes past n score 0. `dim` a multiple of 16.
 template <typename kv_t>
 inline void score_rows_direct(const float* const* q, const kv_t* const* keys, float* const* out, int64_t rows,
                               int64_t n, int64_t dim) {
@@ -164,13 +157,26 @@ inline void score_rows_direct(const float* const* q, const kv_t* const* keys, fl
       for (int64_t r = 0; r < rows; ++r) _mm512_storeu_ps(out[r] + j0, _mm512_setzero_ps());
       continue;
     }
+    // Key i of the chains is lane 4 * (i % 4) + i / 4 of sum_lanes16's result; a key past n
+    // reads key 0's row (any valid row) and its lane is cleared below.
+    const kv_t* k[16];
+    for (int i = 0; i < 16; ++i) {
+      const int64_t j = j0 + 4 * (i % 4) + i / 4;
+      k[i] = keys[j < n ? j : 0];
+    }
+    const __mmask16 valid = n - j0 >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - j0)) - 1);
     for (int64_t r = 0; r < rows; ++r) {
+      const float* qr = q[r];
       __m512 a[16];
-      for (int i = 0; i < 16; ++i) {
-        const int64_t j = j0 + 4 * (i % 4) + i / 4;  // lane j - j0 of sum_lanes16's result
-        a[i] = j < n ? dot_lanes(q[r], keys[j], dim) : _mm512_setzero_ps();
+      const __m512 q0 = _mm512_loadu_ps(qr);
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) a[i] = _mm512_mul_ps(q0, (__m512)vload(k[i]));
+      for (int64_t d = 16; d < dim; d += 16) {
+        const __m512 qd = _mm512_loadu_ps(qr + d);
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i) a[i] = _mm512_fmadd_ps(qd, (__m512)vload(k[i] + d), a[i]);
       }
-      _mm512_storeu_ps(out[r] + j0, sum_lanes16(a));
+      _mm512_storeu_ps(out[r] + j0, _mm512_maskz_mov_ps(valid, sum_lanes16(a)));
     }
   }
 }

@@ -91,6 +91,7 @@ inline void score_tile(const float* const* q, const float* kt, float* const* out
   for (int64_t d = 0; d < dim; ++d) {
     vfloat kv[C];
     for (int c = 0; c < C; ++c) kv[c] = vload(kt + d * kBlockTokens + (c0 + c) * kLanes);
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const vfloat qd = vbroadcast(q[r][d]);
       for (int c = 0; c < C; ++c) acc[r][c] += qd * kv[c];
@@ -101,12 +102,17 @@ inline void score_tile(const float* const* q, const float* kt, float* const* out
 }
 
 // Scores of `rows` query rows against a transposed block (all kBlockTokens lanes; lanes past
-// the block's keys score 0): 6 rows x 2 key vectors (12 accumulators, the shape of an AVX2 GEMM
-// micro-kernel), the rows left over 3 or fewer at a time against every key vector.
+// the block's keys score 0): 12 rows x 2 key vectors where vectors have 16 lanes (24 of the 32
+// registers), then 6 rows x 2 (12 accumulators, the shape of an AVX2 GEMM micro-kernel), the
+// rows left over 3 or fewer at a time against every key vector.
 inline void score_rows(const float* const* q, const float* kt, float* const* out, int64_t rows, int64_t dim) {
   constexpr int C = kKeyVectors >= 2 ? 2 : 1;
   static_assert(kKeyVectors % C == 0, "whole tiles of key vectors");
   int64_t r = 0;
+  if constexpr (kLanes == 16) {
+    for (; r + 12 <= rows; r += 12)
+      for (int64_t c0 = 0; c0 < kKeyVectors; c0 += C) score_tile<12, C>(q + r, kt, out + r, c0, dim);
+  }
   for (; r + 6 <= rows; r += 6)
     for (int64_t c0 = 0; c0 < kKeyVectors; c0 += C) score_tile<6, C>(q + r, kt, out + r, c0, dim);
   constexpr int All = kKeyVectors > 4 ? 4 : static_cast<int>(kKeyVectors);
@@ -193,8 +199,7 @@ inline void softmax_block(float* sc, float* acc, float& row_max, float& row_sum,
     const vfloat x = vload(sc + c * kLanes);
     top = x > top ? x : top;
   }
-  float block_max = top[0];
-  for (int64_t l = 1; l < kLanes; ++l) block_max = std::max(block_max, top[l]);
+  const float block_max = vmax(top);
   const float new_max = std::max(row_max, block_max);
   const float alpha = std::exp(row_max - new_max);  // 0 on the first block (max is -inf)
   const vfloat shift = vbroadcast(new_max);
@@ -228,6 +233,7 @@ inline void value_tile(const float* const* p, const v_t* const* v, float* const*
   for (int64_t j = 0; j < n; ++j) {
     vfloat vv[V];
     for (int c = 0; c < V; ++c) vv[c] = vload(v[j] + d0 + c * kLanes);
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const vfloat pj = vbroadcast(p[r][j]);
       for (int c = 0; c < V; ++c) a[r][c] += pj * vv[c];
@@ -237,7 +243,7 @@ inline void value_tile(const float* const* p, const v_t* const* v, float* const*
     for (int c = 0; c < V; ++c) vstore(acc[r] + d0 + c * kLanes, a[r][c]);
 }
 
-// acc[r] += sum_j p[r][j] * v[j] for `rows` rows over keys [0, n): two rows and four vectors of
+// acc[r] += sum_j p[r][j] * v[j] for `rows` rows over keys [0, n): R rows and four vectors of
 // the head dim at a time, then single vectors, then a scalar tail.
 template <int R, typename v_t>
 inline void value_rows_of(const float* const* p, const v_t* const* v, float* const* acc, int64_t n, int64_t dim) {
@@ -257,6 +263,9 @@ template <typename v_t>
 inline void value_rows(const float* const* p, const v_t* const* v, float* const* acc, int64_t rows, int64_t n,
                        int64_t dim) {
   int64_t r = 0;
+  if constexpr (kLanes == 16) {  // 4 x 4 accumulators: each value vector loaded once per 4 rows
+    for (; r + 4 <= rows; r += 4) value_rows_of<4>(p + r, v, acc + r, n, dim);
+  }
   for (; r + 2 <= rows; r += 2) value_rows_of<2>(p + r, v, acc + r, n, dim);
   for (; r < rows; ++r) value_rows_of<1>(p + r, v, acc + r, n, dim);
 }

@@ -132,6 +132,17 @@ inline float vsum(vfloat v) {
   return (h[0] + h[1]) + (h[2] + h[3]);
 }
 
+// The largest lane (exact in any order).
+inline float vmax(vfloat v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_max_ps((__m512)v);
+#else
+  float top = v[0];
+  for (int64_t l = 1; l < kLanes; ++l) top = std::max(top, v[l]);
+  return top;
+#endif
+}
+
 // kLanes floats rounded to bf16 (to nearest even; NaN stays a quiet NaN), as c10 rounds: the bf16
 // bits in the low half of each lane.
 inline vuint vbf16_bits(vfloat v) {

@@ -143,12 +143,12 @@ def test_store_kv_equals_index_copy(dtype, n):
     """The pool's K/V write: rows from a split qkv view (strided), int64 and int32 slots."""
     g = torch.Generator().manual_seed(n)
     slots, kv_heads, dim = 1024, 2, 24
-    k_ref = (100 * torch.randn(slots, kv_heads, dim, generator=g)).to(dtype)
-    v_ref = (100 * torch.randn(slots, kv_heads, dim, generator=g)).to(dtype)
-    qkv = (100 * torch.randn(n, 8 * dim, generator=g)).to(dtype)
+    k_ref = (100 * torch.randn(slots, kv_heads, dim, generator=g, device="cpu")).to(dtype)
+    v_ref = (100 * torch.randn(slots, kv_heads, dim, generator=g, device="cpu")).to(dtype)
+    qkv = (100 * torch.randn(n, 8 * dim, generator=g, device="cpu")).to(dtype)
     k = qkv[:, 4 * dim : 6 * dim].reshape(n, kv_heads, dim)
     v = qkv[:, 6 * dim :].reshape(n, kv_heads, dim)
-    loc = torch.randperm(slots, generator=g)[:n]
+    loc = torch.randperm(slots, generator=g, device="cpu")[:n]
     for index in (loc, loc.to(torch.int32)):
         k_buf, v_buf = k_ref.clone(), v_ref.clone()
         ops.store_kv(k_buf, v_buf, index, k, v)
@@ -157,19 +157,24 @@ def test_store_kv_equals_index_copy(dtype, n):
 
 
 def test_store_kv_writes_a_buffer_with_padded_heads_head_by_head():
-    wide_k, wide_v = torch.zeros(64, 2, 40), torch.zeros(64, 2, 40)
+    wide_k, wide_v = torch.zeros(64, 2, 40, device="cpu"), torch.zeros(64, 2, 40, device="cpu")
     k_buf, v_buf = wide_k[..., :32], wide_v[..., :32]  # a slot's heads 40 apart
-    k, v = torch.randn(5, 2, 32), torch.randn(5, 2, 32)
-    loc = torch.tensor([9, 0, 63, 17, 4])
+    k, v = torch.randn(5, 2, 32, device="cpu"), torch.randn(5, 2, 32, device="cpu")
+    loc = torch.tensor([9, 0, 63, 17, 4], device="cpu")
     ops.store_kv(k_buf, v_buf, loc, k, v)
     assert torch.equal(k_buf[loc], k) and torch.equal(v_buf[loc], v)
     assert not wide_k[..., 32:].any() and not wide_v[..., 32:].any(), "wrote past a head"
 
 
 def test_store_kv_refuses_a_slot_outside_the_pool_before_writing():
-    k_buf, v_buf = torch.zeros(8, 1, 4), torch.zeros(8, 1, 4)
+    k_buf, v_buf = torch.zeros(8, 1, 4, device="cpu"), torch.zeros(8, 1, 4, device="cpu")
     with pytest.raises(RuntimeError, match="slot 8 \\(row 1\\) outside the pool of 8 slots"):
-        ops.store_kv(k_buf, v_buf, torch.tensor([3, 8]), torch.ones(2, 1, 4), torch.ones(2, 1, 4))
+        ops.store_kv(k_buf, v_buf, torch.tensor([3, 8], device="cpu"), torch.ones(2, 1, 4, device="cpu"),
+                     torch.ones(2, 1, 4, device="cpu"))
     assert not k_buf.any() and not v_buf.any(), "wrote a row before refusing"
-    with pytest.raises(RuntimeError, match="must have the buffers' dtype"):
-        ops.store_kv(k_buf, v_buf, torch.tensor([3]), torch.ones(1, 1, 4, dtype=BF16), torch.ones(1, 1, 4))
+    with pytest.raises(RuntimeError, match=r"must have the buffers' dtype \(Float / Float\), got BFloat16 / Float"):
+        ops.store_kv(k_buf, v_buf, torch.tensor([3], device="cpu"), torch.ones(1, 1, 4, dtype=BF16, device="cpu"),
+                     torch.ones(1, 1, 4, device="cpu"))
+    with pytest.raises(RuntimeError, match=r"rows \[2, 2, 4\] / \[2, 1, 4\] do not fit buffers \[8, 1, 4\]"):
+        ops.store_kv(k_buf, v_buf, torch.tensor([1, 2], device="cpu"), torch.ones(2, 2, 4, device="cpu"),
+                     torch.ones(2, 1, 4, device="cpu"))

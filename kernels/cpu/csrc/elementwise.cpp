@@ -286,7 +286,8 @@ void store_kv(const at::Tensor& k_buffer, const at::Tensor& v_buffer, const at::
               "store_kv: rows ", k.sizes(), " / ", v.sizes(), " do not fit buffers ", k_buffer.sizes(), " / ",
               v_buffer.sizes());
   TORCH_CHECK(k.scalar_type() == k_buffer.scalar_type() && v.scalar_type() == v_buffer.scalar_type(),
-              "store_kv: rows must have the buffers' dtype (", k_buffer.scalar_type(), "), got ", k.scalar_type());
+              "store_kv: rows must have the buffers' dtype (", k_buffer.scalar_type(), " / ", v_buffer.scalar_type(),
+              "), got ", k.scalar_type(), " / ", v.scalar_type());
   for (const at::Tensor* t : {&k_buffer, &v_buffer, &k, &v}) {
     TORCH_CHECK(t->stride(2) == 1, "store_kv: the head_dim axis must be contiguous");
   }

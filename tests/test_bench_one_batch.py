@@ -92,7 +92,8 @@ def test_decode_modes_modules_and_eager_rows_on_cpu() -> None:
     rows = _mode_rows(proc.stdout)
     assert list(rows) == ["modules", "eager"], proc.stdout
     assert rows["eager"][-1] == 1.0
-    assert rows["modules"][-1] == pytest.approx(rows["eager"][2] / rows["modules"][2], abs=0.01)
+    # From the tok/s cells: a step of a few tenths of a millisecond, printed to 0.01 ms, is too coarse.
+    assert rows["modules"][-1] == pytest.approx(rows["modules"][1] / rows["eager"][1], abs=0.01)
 
 
 def test_a_preset_against_hf_loads_the_same_weights_into_ours() -> None:

@@ -16,7 +16,7 @@ from srt.check_config_weights import loaded_model_nbytes
 from srt.configs.model_config import ModelConfig
 from srt.layers import cpu_weight_packing
 from srt.layers.cpu_weight_packing import pack_weight, packed_linear, packing_supported
-from kernels.cpu.gemm import load_gemm_ops, panel_width
+from kernels.cpu.gemm import load_dense_ops, load_gemm_ops, panel_width
 from srt.model_executor.memory_sizing import module_nbytes
 
 pytestmark = pytest.mark.skipif(not packing_supported("cpu", torch.float32),
@@ -24,7 +24,8 @@ pytestmark = pytest.mark.skipif(not packing_supported("cpu", torch.float32),
 
 
 BF16_PACKS = packing_supported("cpu", torch.bfloat16)  # oneDNN needs AVX-512 or AVX-NE-CONVERT for it
-GEMMS = ["onednn", pytest.param("srt", marks=pytest.mark.skipif(not load_gemm_ops(), reason="no C++ kernels here"))]
+GEMMS = ["onednn", pytest.param("srt", marks=pytest.mark.skipif(not load_gemm_ops(), reason="no C++ kernels here")),
+         pytest.param("dense", marks=pytest.mark.skipif(not load_dense_ops(), reason="no AVX-512 C++ kernels here"))]
 
 
 @pytest.fixture(params=GEMMS)
@@ -85,13 +86,16 @@ def test_runner_packs_every_linear_and_frees_the_dense_weights(tiny_model_factor
     assert layers and all(m.packed_weight is not None and m.packed_weight.is_mkldnn == onednn for m in layers)
     assert all(m.weight.numel() == 0 for m in layers)
     assert all(m.packed_weight is None and m.weight.numel() > 0 for m in _linears(dense.model))
-    # Tied head: the embedding keeps its dense rows, the head holds a packed copy of them.
+    # Tied head: the embedding keeps its dense rows, the head holds a packed copy of them (dense:
+    # the embedding's rows themselves).
     embed = packed.model.model.embed_tokens
     assert packed.model.lm_head is embed and embed.weight.numel() > 0 and embed.packed_weight.is_mkldnn == onednn
+    if gemm == "dense":
+        assert embed.packed_weight.data_ptr() == embed.weight.data_ptr()
     # The packed bytes are counted (KV sizing subtracts them): the same total plus the head's copy
     # (and with panels the zero rows padding each weight to whole panels).
     size = embed.weight.element_size()
-    extra = _padded_rows(embed.weight.shape[0], gemm) * embed.weight.shape[1] * size
+    extra = _padded_rows(embed.weight.shape[0], gemm) * embed.weight.shape[1] * size if gemm != "dense" else 0
     extra += sum((_padded_rows(m.packed_out_features, gemm) - m.packed_out_features) * m.input_size * size
                  for m in layers)
     assert module_nbytes(packed.model) == module_nbytes(dense.model) + extra
@@ -224,12 +228,18 @@ def test_gemm_choice_follows_the_cpu_and_the_switch(monkeypatch):
     assert not cpu_weight_packing.widens_bf16("cpu", torch.bfloat16)  # panels keep bf16 weights
     assert not cpu_weight_packing.uses_panel_gemm("cpu", torch.float16)
     assert not cpu_weight_packing.uses_panel_gemm("cuda:0", torch.float32)
+    assert not cpu_weight_packing.uses_dense_gemm("cpu", torch.float32)  # the dot kernel needs AVX-512
     monkeypatch.setattr(cpu_weight_packing, "cpu_has_avx512", lambda: True)
-    assert not cpu_weight_packing.uses_panel_gemm("cpu", torch.float32)  # auto, AVX-512: oneDNN
+    assert not cpu_weight_packing.uses_panel_gemm("cpu", torch.float32)  # auto, AVX-512: dense fp32
+    assert cpu_weight_packing.uses_dense_gemm("cpu", torch.float32) == load_dense_ops()
+    assert not cpu_weight_packing.uses_dense_gemm("cpu", torch.bfloat16)  # bf16: oneDNN or AMX tiles
+    assert not cpu_weight_packing.uses_dense_gemm("cuda:0", torch.float32)
     monkeypatch.setenv("SRT_CPU_GEMM", "srt")
     assert cpu_weight_packing.uses_panel_gemm("cpu", torch.float32)
+    assert not cpu_weight_packing.uses_dense_gemm("cpu", torch.float32)
     monkeypatch.setenv("SRT_CPU_GEMM", "onednn")
     assert not cpu_weight_packing.uses_panel_gemm("cpu", torch.float32)
+    assert not cpu_weight_packing.uses_dense_gemm("cpu", torch.float32)
     monkeypatch.setenv("SRT_CPU_GEMM", "mkl")
-    with pytest.raises(ValueError, match=r"\$SRT_CPU_GEMM must be one of auto, srt, onednn, amx, got 'mkl'"):
+    with pytest.raises(ValueError, match=r"\$SRT_CPU_GEMM must be one of auto, srt, onednn, amx, dense, got 'mkl'"):
         cpu_weight_packing.uses_panel_gemm("cpu", torch.float32)

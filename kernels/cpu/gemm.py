@@ -14,6 +14,12 @@ bf16 on AMX tiles (csrc/amx_gemm.cpp), where the build and the CPU have them (`l
     torch.ops.srt_cpu.amx_linear(x [M, K] bf16, tiles, bias | None, out_dtype | None) -> [M, N]
 
 N a multiple of 16 and K of 32 (`amx_fits`); fp32 accumulation, output bf16 (default) or fp32.
+
+fp32 over the dense weight (csrc/dense_gemm.cpp), where the build has AVX-512 (`load_dense_ops()`):
+
+    torch.ops.srt_cpu.dense_linear(x [M, K] fp32, weight [N, K] fp32, bias | None) -> [M, N] fp32
+
+for decode-sized M: one dot product per output, four x rows by four weight rows per tile.
 """
 
 from __future__ import annotations
@@ -45,6 +51,19 @@ def load_amx_ops() -> bool:
     torch.library.register_fake("srt_cpu::convert_weight_amx", _convert_weight_amx_fake)
     torch.library.register_fake("srt_cpu::amx_linear", _amx_linear_fake)
     return True
+
+
+@functools.lru_cache(maxsize=None)
+def load_dense_ops() -> bool:
+    """Whether the fp32 dense-weight linear op is usable here: the library builds with AVX-512."""
+    if not build.load_cpu_kernels() or not torch.ops.srt_cpu.dense_linear_available():
+        return False
+    torch.library.register_fake("srt_cpu::dense_linear", _dense_linear_fake)
+    return True
+
+
+def _dense_linear_fake(x, weight, bias):
+    return x.new_empty(x.shape[0], weight.shape[0])
 
 
 def amx_fits(weight: torch.Tensor) -> bool:

@@ -24,6 +24,15 @@ the AVX2 EPYC, SmolLM2-135M's 120 layer matmuls at 16 rows: 29.6 ms against oneD
 bf16 weights stay bf16 in the panels (widened in registers: half the bytes of the fp32 copy).
 `srt` forces the panels, `onednn` keeps oneDNN; CPUs with AVX-512 keep oneDNN under `auto`.
 
+Dense fp32 (`SRT_CPU_GEMM=auto` or `dense`, fp32, a CPU and build with AVX-512): the weights stay
+as loaded, row-major [out, in], and are not packed at all. Inputs of up to DENSE_KERNEL_ROWS rows
+(decode) run kernels/cpu/gemm.py's dot kernel, larger ones BLAS. oneDNN's packed fp32 matmuls of a
+few rows spend most of their time outside the arithmetic: on the Xeon with AMX of README ("Dense
+fp32 linears"), llama-26m's 64 layer matmuls at 16 rows took 2.4 ms on the dot kernel against 4.0
+through oneDNN (SmolLM2-135M's 120: 33 against 37 ms), while at prefill sizes BLAS on the dense
+weight ran within a few percent of oneDNN either way. One copy of each weight serves both, and an
+LM head tied to the embedding uses the embedding's own rows instead of a packed copy of them.
+
 AMX tiles (`SRT_CPU_GEMM=auto` or `amx`, bf16, a CPU with AMX): bf16 weights are packed into
 kernels/cpu/gemm.py's AMX tiles instead, for our own tile kernel. oneDNN's AMX matmul costs tens of
 microseconds a call whatever the size, which at decode sizes is most of the call: on the Xeon with
@@ -47,13 +56,19 @@ from typing import Optional
 import torch
 from torch import nn
 
-from kernels.cpu.gemm import amx_fits, load_amx_ops, load_gemm_ops, panel_width
+import torch.nn.functional as F
+
+from kernels.cpu.gemm import amx_fits, load_amx_ops, load_dense_ops, load_gemm_ops, panel_width
 from srt.environ import envs
 
 logger = logging.getLogger(__name__)
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
-GEMM_CHOICES = ("auto", "srt", "onednn", "amx")
+GEMM_CHOICES = ("auto", "srt", "onednn", "amx", "dense")
+# Dense fp32 weights: inputs of up to this many rows run the dot kernel, larger ones BLAS. At 64 rows
+# the two were even on llama-26m's layer matmuls and the kernel 1.2x on SmolLM2's; the LM head of
+# 49,152 rows ran 1.5x faster on the kernel at 16 rows and 1.14x at 64.
+DENSE_KERNEL_ROWS = 64
 # Panels, prefill-sized inputs: the panel kernel re-reads the weights for every 96-row block and ran
 # matmuls of a few hundred rows and more at 75-95% of oneDNN's speed, so from this many rows the
 # weight is laid back out as dense fp32 [in, out] for the call (a copy of its bytes) and BLAS runs it.
@@ -115,8 +130,15 @@ def cpu_has_avx512() -> bool:
 def uses_amx_gemm(device: str, dtype: torch.dtype) -> bool:
     """Whether bf16 linear weights are packed into AMX tiles for kernels/cpu/gemm.py's tile kernel
     here: `SRT_CPU_GEMM` `auto` or `amx` on a CPU (and build) with AMX tiles."""
-    return (str(device).startswith("cpu") and dtype == torch.bfloat16 and cpu_gemm_choice() in ("auto", "amx")
-            and load_amx_ops())
+    return (str(device).startswith("cpu") and dtype == torch.bfloat16
+            and cpu_gemm_choice() in ("auto", "amx", "dense") and load_amx_ops())
+
+
+def uses_dense_gemm(device: str, dtype: torch.dtype) -> bool:
+    """Whether fp32 linear weights stay dense for kernels/cpu/gemm.py's dot kernel (and BLAS) here:
+    `SRT_CPU_GEMM` `auto` or `dense` where the C++ kernels build with AVX-512."""
+    return (str(device).startswith("cpu") and dtype == torch.float32 and cpu_gemm_choice() in ("auto", "dense")
+            and cpu_has_avx512() and load_dense_ops())
 
 
 def uses_panel_gemm(device: str, dtype: torch.dtype) -> bool:
@@ -126,9 +148,9 @@ def uses_panel_gemm(device: str, dtype: torch.dtype) -> bool:
     if not (str(device).startswith("cpu") and dtype in PACKABLE_DTYPES):
         return False
     choice = cpu_gemm_choice()
-    if choice in ("onednn", "amx") or (choice == "auto" and cpu_has_avx512()):
+    if choice in ("onednn", "amx") or (choice in ("auto", "dense") and cpu_has_avx512()):
         return False
-    return load_gemm_ops()
+    return not uses_dense_gemm(device, dtype) and load_gemm_ops()
 
 
 def widens_bf16(device: str, dtype: torch.dtype) -> bool:
@@ -139,11 +161,15 @@ def widens_bf16(device: str, dtype: torch.dtype) -> bool:
             and packing_supported(device, torch.float32))
 
 
-def pack_weight(weight: torch.Tensor, widen: bool = False, panels: bool = False, amx: bool = False) -> torch.Tensor:
+def pack_weight(weight: torch.Tensor, widen: bool = False, panels: bool = False, amx: bool = False,
+                dense: bool = False) -> torch.Tensor:
     """`weight` [out, in] reordered into oneDNN's blocked layout (an opaque mkldnn tensor); with
     `widen`, as fp32; with `panels`, into kernels/cpu/gemm.py's column panels (same dtype); with
-    `amx`, into its AMX tiles where the shape fits them (`amx_fits`), else oneDNN's layout."""
+    `amx`, into its AMX tiles where the shape fits them (`amx_fits`), else oneDNN's layout; with
+    `dense` (fp32), the weight itself, contiguous."""
     weight = weight.detach().contiguous()
+    if dense:
+        return weight
     if panels:
         return torch.ops.srt_cpu.convert_weight_packed(weight)
     if amx and amx_fits(weight):
@@ -161,6 +187,11 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Te
         x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
         out = torch.ops.srt_cpu.amx_linear(x2, packed, bias, out_dtype)
         return out.view(*x.shape[:-1], out.shape[-1])
+    if packed.dim() == 2 and not packed.is_mkldnn:  # dense fp32
+        x2 = x.reshape(-1, x.shape[-1])
+        out = dense_linear(x2, packed, bias)
+        out = out.view(*x.shape[:-1], packed.shape[0])
+        return out if out.dtype == out_dtype else out.to(out_dtype)
     if not packed.is_mkldnn:
         n = out_features or packed.shape[0] * packed.shape[2]
         x2 = x.reshape(-1, x.shape[-1])
@@ -176,6 +207,16 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Te
         bias = None if bias is None else bias.to(packed.dtype)
     out = torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
     return out if out.dtype == out_dtype else out.to(out_dtype)
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [M, in] @ a dense fp32 weight [out, in]: the dot kernel up to DENSE_KERNEL_ROWS rows, BLAS
+    above."""
+    if x.dtype != torch.float32:
+        x = x.float()
+    if x.shape[0] <= DENSE_KERNEL_ROWS:
+        return torch.ops.srt_cpu.dense_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def _panels_dense_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], n: int,
@@ -212,7 +253,8 @@ def set_packed_weight(module: nn.Module, packed: torch.Tensor, free_dense: bool)
 def will_pack(device: str, dtype: torch.dtype, enable_torch_compile: bool) -> bool:
     """Whether `pack_model_weights` packs a model of this dtype on this device."""
     return (envs.CPU_WEIGHT_PACKING.get() and not enable_torch_compile
-            and (uses_panel_gemm(device, dtype) or widens_bf16(device, dtype) or packing_supported(device, dtype)))
+            and (uses_dense_gemm(device, dtype) or uses_panel_gemm(device, dtype) or widens_bf16(device, dtype)
+                 or packing_supported(device, dtype)))
 
 
 def _tied_head(model: nn.Module) -> Optional[nn.Module]:
@@ -255,8 +297,8 @@ def packing_extra_nbytes(model: nn.Module, device: str, dtype: torch.dtype, enab
     its dense copy. Under --enable-torch-compile, inductor's frozen copies instead."""
     if enable_torch_compile:
         return frozen_weight_nbytes(model, device, dtype, torch_compile_max_bs)
-    if not will_pack(device, dtype, enable_torch_compile):
-        return 0
+    if not will_pack(device, dtype, enable_torch_compile) or uses_dense_gemm(device, dtype):
+        return 0  # dense: every weight is its own loaded tensor, a tied head the embedding's
     panels = uses_panel_gemm(device, dtype)
     packed_size = (torch.float32 if widens_bf16(device, dtype) else dtype).itemsize
     extra = 0
@@ -289,15 +331,21 @@ def pack_model_weights(model: nn.Module, device: str, dtype: torch.dtype, enable
         return 0
     widen, panels, head = widens_bf16(device, dtype), uses_panel_gemm(device, dtype), _tied_head(model)
     amx = not panels and uses_amx_gemm(device, dtype)
+    dense = uses_dense_gemm(device, dtype)
     modules = _packable(model, dtype)
     for module in modules:
-        set_packed_weight(module, pack_weight(module.weight, widen, panels, amx), free_dense=module is not head)
+        packed = pack_weight(module.weight, widen, panels, amx, dense)
+        set_packed_weight(module, packed, free_dense=module is not head)
     tiles = sum(module.packed_weight.dim() == 5 for module in modules)
     if tiles:
         logger.info("Packed %d CPU linear weights into AMX tiles for the C++ tile kernel (kernels/cpu/gemm.py; "
                     "SRT_CPU_GEMM=onednn keeps oneDNN's layout)%s.", tiles,
                     f", {len(modules) - tiles} into oneDNN's (shapes that are not whole tiles)"
                     if tiles < len(modules) else "")
+    elif dense:
+        logger.info("Kept %d fp32 CPU linear weights dense: up to %d rows run the C++ dot kernel, more BLAS "
+                    "(kernels/cpu/gemm.py; SRT_CPU_GEMM=onednn packs them into oneDNN's layout).", len(modules),
+                    DENSE_KERNEL_ROWS)
     elif panels:
         logger.info("Packed %d CPU linear weights into %d-column panels for the C++ panel GEMM (kernels/cpu/gemm.py; "
                     "SRT_CPU_GEMM=onednn keeps oneDNN's layout).", len(modules), panel_width())

@@ -26,6 +26,7 @@ from torch import nn
 from kernels.attention.torch_native_backend import TorchNativeAttnBackend
 from srt.environ import envs
 from srt.layers.cpu_fused_ops import fused_ops_for
+from srt.layers.cpu_weight_packing import dense_linear
 from srt.layers.linear import LinearBase, RowParallelLinear
 from srt.layers.logits_processor import LogitsProcessorOutput
 from srt.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
@@ -60,9 +61,9 @@ class _Layer(NamedTuple):
 
 
 def _bind_linear(module: LinearBase, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
-    """`module(x)` as one call: the AMX tile kernel or oneDNN's packed linear directly where the
-    weight is packed for them in the model's dtype (what `packed_linear` runs for it), the layer's
-    own code otherwise."""
+    """`module(x)` as one call: the AMX tile kernel, the dense fp32 dispatch or oneDNN's packed linear
+    directly where the weight is packed for them in the model's dtype (what `packed_linear` runs for
+    it), the layer's own code otherwise."""
     row_parallel = isinstance(module, RowParallelLinear)
     if row_parallel and (module.tp_size > 1 or module.bias is not None):
         return module.forward  # all-reduce, then the bias
@@ -70,6 +71,8 @@ def _bind_linear(module: LinearBase, dtype: torch.dtype) -> Callable[[torch.Tens
     if packed is not None and packed.dim() == 5 and dtype == torch.bfloat16:  # AMX tiles (kernels/cpu/gemm.py)
         amx_linear = torch.ops.srt_cpu.amx_linear
         return lambda x: amx_linear(x, packed, bias, None)
+    if packed is not None and packed.dim() == 2 and not packed.is_mkldnn and dtype == torch.float32:  # dense fp32
+        return lambda x: dense_linear(x, packed, bias)
     if packed is not None and packed.is_mkldnn and packed.dtype == dtype:
         linear = torch.ops.mkldnn._linear_pointwise
         return lambda x: linear(x, packed, bias, "none", [], "")

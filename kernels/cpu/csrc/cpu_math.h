@@ -240,4 +240,27 @@ void parallel_tasks(int64_t n, const MakeState& make_state, const Body& body) {
   });
 }
 
+#if defined(__AVX512F__)
+// Sixteen sums at once: lane p of the result is the sum of the lanes of a[4 * (p % 4) + p / 4].
+// Four rounds of shuffles and adds halve the vectors each time (256-bit halves, 128-bit blocks,
+// pairs, neighbours), so every sum adds lane l to lane l + 8, then l + 4, l + 2, l + 1: the
+// same association for every vector, whatever the vectors beside it.
+inline __m512 sum_lanes16(__m512 a[16]) {
+  __m512 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i) {
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+  }
+  for (int i = 0; i < 4; ++i) {
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+  }
+  for (int i = 0; i < 2; ++i) {
+    d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0xEE));
+  }
+  return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
+}
+#endif
+
 }  // namespace srt_cpu

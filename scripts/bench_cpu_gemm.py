@@ -1,5 +1,5 @@
-"""CPU linear layouts side by side: oneDNN's packed weights against kernels/cpu/gemm.py's panels
-and, on a CPU with AMX, its bf16 tile kernel.
+"""CPU linear layouts side by side: oneDNN's packed weights against kernels/cpu/gemm.py's panels,
+its fp32 dense-weight dot kernel (AVX-512) and, on a CPU with AMX, its bf16 tile kernel.
 
     python scripts/bench_cpu_gemm.py --model-path .tiny_models/smollm2-135m-instruct-*   # both tables
     python scripts/bench_cpu_gemm.py --model-path DIR --skip-model --rows 1 16 64
@@ -7,13 +7,14 @@ and, on a CPU with AMX, its bf16 tile kernel.
 Table 1 (ops): every layer's matmuls of the model's shapes, each layer with weights of its own
 (so, as in a real decode step, the weights stream from memory rather than sit in cache), at each
 row count: oneDNN (fp32 weights; how bf16 runs on a CPU without bf16 matmul kernels), panels
-with fp32 weights, panels with bf16 weights, and with AMX tiles oneDNN bf16 against the tile
-kernel (bf16 inputs). Milliseconds per pass over all layers (median of --reps) and GFLOP/s.
+with fp32 weights, panels with bf16 weights, the fp32 weights as loaded (`dense`: the dot kernel up
+to DENSE_KERNEL_ROWS rows, BLAS above; where the build has AVX-512), and with AMX tiles oneDNN bf16
+against the tile kernel (bf16 inputs). Milliseconds per pass over all layers (median of --reps) and GFLOP/s.
 
 Table 2 (model): one ModelRunner per `SRT_CPU_GEMM` layout on the same checkpoint, measured in
 turns on the same prompts (so every layout sees the same machine load): prefill tok/s of a
 --batch x --input-len extend and the median decode step after it, per dtype (`amx` for bf16
-where the CPU has the tiles).
+where the CPU has the tiles, `dense` for fp32 where the build has AVX-512).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kernels.cpu.gemm import amx_fits, load_amx_ops, load_gemm_ops  # noqa: E402
+from kernels.cpu.gemm import amx_fits, load_amx_ops, load_dense_ops, load_gemm_ops  # noqa: E402
+from srt.layers.cpu_weight_packing import dense_linear  # noqa: E402
 from srt.model_executor.model_runner import ModelRunner  # noqa: E402
 from srt.model_executor.static_batch import StaticBatch  # noqa: E402
 from srt.server_args import ServerArgs  # noqa: E402
@@ -65,12 +67,13 @@ def bench_ops(config: dict, rows_list: List[int], reps: int) -> None:
         "panels fp32": [[torch.ops.srt_cpu.convert_weight_packed(w) for w in ws] for ws in dense],
         "panels bf16": [[torch.ops.srt_cpu.convert_weight_packed(w.bfloat16()) for w in ws] for ws in dense],
     }
+    has_dense = load_dense_ops()
+    if has_dense:  # the weights as loaded: the dot kernel up to DENSE_KERNEL_ROWS rows, BLAS above
+        layouts["dense fp32"] = dense
     amx = load_amx_ops() and all(amx_fits(w) for w in dense[0])
     if amx:
         layouts["oneDNN bf16"] = [[torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 16) for w in ws] for ws in dense]
         layouts["AMX bf16"] = [[torch.ops.srt_cpu.convert_weight_amx(w.bfloat16()) for w in ws] for ws in dense]
-    del dense
-
     def run(name: str, weights: list, xs: dict) -> None:
         inputs = {k: x.bfloat16() for k, x in xs.items()} if name.endswith("bf16") and "panels" not in name else xs
         for ws in weights:
@@ -79,12 +82,15 @@ def bench_ops(config: dict, rows_list: List[int], reps: int) -> None:
                     torch.ops.mkldnn._linear_pointwise(inputs[k], w, None, "none", [], "")
                 elif name.startswith("AMX"):
                     torch.ops.srt_cpu.amx_linear(inputs[k], w, None, None)
+                elif name.startswith("dense"):
+                    dense_linear(xs[k], w)
                 else:
                     torch.ops.srt_cpu.weight_packed_linear(xs[k], w, None, n, None)
 
     print(f"\n{layers} layers x {len(shapes)} matmuls {shapes}, weights streamed from memory, "
           f"threads={torch.get_num_threads()}\n")
     head = "| rows | " + " | ".join(f"{name} ms" for name in layouts) + " | panels fp32 x | panels bf16 x |"
+    head += " dense fp32 x |" if has_dense else ""
     head += " AMX vs oneDNN bf16 x |" if amx else ""
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
@@ -95,6 +101,7 @@ def bench_ops(config: dict, rows_list: List[int], reps: int) -> None:
         base = ms["oneDNN fp32"]
         cells = " | ".join(f"{v:.1f} ({rows * flops_per_row / v / 1e6:.0f} GF/s)" for v in ms.values())
         line = f"| {rows} | {cells} | {base / ms['panels fp32']:.2f} | {base / ms['panels bf16']:.2f} |"
+        line += f" {base / ms['dense fp32']:.2f} |" if has_dense else ""
         line += f" {ms['oneDNN bf16'] / ms['AMX bf16']:.2f} |" if amx else ""
         print(line, flush=True)
 
@@ -104,6 +111,7 @@ def bench_model(path: str, dtype: str, batch: int, input_len: int, steps: int, r
     saved = os.environ.get("SRT_CPU_GEMM")
     try:
         layouts = ("onednn", "srt") + (("amx",) if dtype == "bfloat16" and load_amx_ops() else ())
+        layouts += ("dense",) if dtype == "float32" and load_dense_ops() else ()
         for layout in layouts:
             os.environ["SRT_CPU_GEMM"] = layout
             args = ServerArgs(model_path=path, dtype=dtype, disable_cuda_graph=True)

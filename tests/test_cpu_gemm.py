@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu.gemm import load_amx_ops, load_gemm_ops, panel_width
+from kernels.cpu.gemm import load_amx_ops, load_dense_ops, load_gemm_ops, panel_width
 from srt.layers.cpu_weight_packing import pack_weight, packed_linear
 
 pytestmark = pytest.mark.skipif(not load_gemm_ops(), reason="the C++ CPU kernels cannot build here")
@@ -102,7 +102,10 @@ def test_bench_cpu_gemm_prints_both_tables(llama_model):
     assert [r.split(" | ")[0] for r in rows if r[2].isdigit()] == ["| 1", "| 7"]  # one op row per row count
     layouts = [r.split(" | ")[1] for r in rows if r.startswith(("| float32", "| bfloat16"))]
     amx = ["amx"] if load_amx_ops() else []  # bf16 on AMX tiles, where the CPU has them
-    assert layouts == ["onednn", "srt", "onednn", "srt"] + amx
+    dense = ["dense"] if load_dense_ops() else []  # fp32 on the dense weights, where the build has AVX-512
+    assert layouts == ["onednn", "srt"] + dense + ["onednn", "srt"] + amx
+    if dense:
+        assert all(len(r.split(" | ")) == len(rows[0].split(" | ")) for r in rows if r[2].isdigit())
 
 
 @pytest.mark.parametrize("w_dtype", [F32, BF16], ids=["w_fp32", "w_bf16"])

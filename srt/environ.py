@@ -73,8 +73,8 @@ class Envs:
     CPU_WEIGHT_PACKING = EnvBool(PREFIX + "CPU_WEIGHT_PACKING", True)
     # CPU without bf16 matmul kernels: pack bf16 linear weights as fp32 (srt/layers/cpu_weight_packing.py).
     CPU_WIDEN_BF16 = EnvBool(PREFIX + "CPU_WIDEN_BF16", True)
-    # CPU packed-linear kernels: auto | srt (kernels/cpu/gemm.py's panels) | onednn | amx (bf16 on AMX tiles;
-    # srt/layers/cpu_weight_packing.py).
+    # CPU packed-linear kernels: auto | srt (kernels/cpu/gemm.py's panels) | onednn | amx (bf16 on AMX tiles)
+    # | dense (fp32 weights as loaded, the dot kernel + BLAS; srt/layers/cpu_weight_packing.py).
     CPU_GEMM = EnvStr(PREFIX + "CPU_GEMM", "auto")
     # CPU: fused C++ RMSNorm, SiLU-and-mul and RoPE (kernels/cpu/elementwise.py) instead of torch ops.
     CPU_FUSED_OPS = EnvBool(PREFIX + "CPU_FUSED_OPS", True)

@@ -22,7 +22,8 @@ memory bandwidth, so there the weights are packed into column panels for our own
 (kernels/cpu/gemm.py: every weight byte streamed once per call, in address order). Measured on
 the AVX2 EPYC, SmolLM2-135M's 120 layer matmuls at 16 rows: 29.6 ms against oneDNN's 43.3 ms.
 bf16 weights stay bf16 in the panels (widened in registers: half the bytes of the fp32 copy).
-`srt` forces the panels, `onednn` keeps oneDNN; CPUs with AVX-512 keep oneDNN under `auto`.
+`srt` forces the panels, `onednn` keeps oneDNN; on CPUs with AVX-512, `auto` keeps fp32 weights
+dense (below) and packs bf16 ones into AMX tiles where the CPU has them, else oneDNN's layout.
 
 Dense fp32 (`SRT_CPU_GEMM=auto` or `dense`, fp32, a CPU and build with AVX-512): the weights stay
 as loaded, row-major [out, in], and are not packed at all. Inputs of up to DENSE_KERNEL_ROWS rows
@@ -54,9 +55,8 @@ import logging
 from typing import Optional
 
 import torch
-from torch import nn
-
 import torch.nn.functional as F
+from torch import nn
 
 from kernels.cpu.gemm import amx_fits, load_amx_ops, load_dense_ops, load_gemm_ops, panel_width
 from srt.environ import envs

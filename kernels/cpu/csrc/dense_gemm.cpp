@@ -8,6 +8,8 @@
 // eight loads per sixteen FMAs, then sum_lanes16 turns the sixteen lane vectors into the tile's
 // sixteen outputs. A task owns a run of whole weight rows, so each thread reads its part of the
 // weight once, front to back; the x row tiles after the first read the four weight rows from L1.
+// The split is static (one contiguous share per thread): handing out 16-row tasks one at a time
+// interleaved the threads' reads, and a llama-26m decode step took 18-22 ms against 14.6-14.8.
 // An output goes through the same operations whatever rows or columns share its tile (missing
 // rows and columns of a tile repeat a valid one and are not stored), so a row's result does not
 // depend on the batch around it.
@@ -18,7 +20,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <optional>
 
 #include "cpu_math.h"
@@ -27,7 +28,7 @@ namespace {
 
 #if defined(__AVX512F__)
 constexpr int64_t kTile = 4;          // x rows and weight rows per tile
-constexpr int64_t kBlocksPerTask = 8;  // weight row blocks (of kTile rows) per parallel task, at least
+constexpr int64_t kBlocksPerTask = 8;  // at::parallel_for's grain: at least this many row blocks a thread
 constexpr int64_t kPrefetchBlocks = 2;  // the first row tile of a block prefetches the block this far ahead
 
 // The tile's sixteen dot products over K: lane 4 * r + c of the result is x row r . weight row c.

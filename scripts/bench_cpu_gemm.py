@@ -74,6 +74,7 @@ def bench_ops(config: dict, rows_list: List[int], reps: int) -> None:
     if amx:
         layouts["oneDNN bf16"] = [[torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 16) for w in ws] for ws in dense]
         layouts["AMX bf16"] = [[torch.ops.srt_cpu.convert_weight_amx(w.bfloat16()) for w in ws] for ws in dense]
+
     def run(name: str, weights: list, xs: dict) -> None:
         inputs = {k: x.bfloat16() for k, x in xs.items()} if name.endswith("bf16") and "panels" not in name else xs
         for ws in weights:

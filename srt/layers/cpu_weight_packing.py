@@ -150,7 +150,7 @@ def uses_panel_gemm(device: str, dtype: torch.dtype) -> bool:
     choice = cpu_gemm_choice()
     if choice in ("onednn", "amx") or (choice in ("auto", "dense") and cpu_has_avx512()):
         return False
-    return not uses_dense_gemm(device, dtype) and load_gemm_ops()
+    return load_gemm_ops()
 
 
 def widens_bf16(device: str, dtype: torch.dtype) -> bool:

@@ -9,8 +9,9 @@ ops in the same order with the same arguments as the module forward, so its logi
 bit-identical (tests/test_cpu_decode_runner.py).
 
 It runs decode on the CPU when every layer is the Llama family's (Llama, Mistral, Qwen2's qkv bias,
-Qwen3's q/k norms), the fused C++ ops and the paged decode op serve the model's dtype, and the KV
-pool stores that dtype. It is off under --enable-torch-compile (the compiled forward runs decode)
+Qwen3's q/k norms), the fused C++ ops serve the model's dtype and the paged decode op serves it
+with the KV pool's dtype (fp32 or bf16: an fp32 model over a bf16 pool, --kv-cache-dtype bf16,
+casts each step's K/V rows on store as the pool's `set_kv_buffer` does). It is off under --enable-torch-compile (the compiled forward runs decode)
 and with SRT_CPU_DECODE_RUNNER=0. Anything else (extend, mixed batches, a step on another attention
 backend than the one bound) runs the module forward.
 """
@@ -101,6 +102,8 @@ class CpuDecodeRunner:
         self.ops = torch.ops.srt_cpu
         self.backend = runner.attn_backend
         self.paged_decode = runner.attn_backend.paged_decode
+        store_dtype = runner.token_to_kv_pool.store_dtype
+        self.kv_cast = None if store_dtype == dtype else store_dtype
         self.layers: List[_Layer] = []
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -140,8 +143,6 @@ class CpuDecodeRunner:
         backend = runner.attn_backend
         if not isinstance(backend, TorchNativeAttnBackend) or backend.paged_decode is None:
             return "the C++ paged decode op does not serve this model and pool"
-        if runner.token_to_kv_pool.store_dtype != runner.dtype:
-            return f"the KV pool stores {runner.token_to_kv_pool.store_dtype}, not the model's {runner.dtype}"
         why = _unsupported(runner.model)
         if why is not None:
             return why
@@ -176,7 +177,10 @@ class CpuDecodeRunner:
                 q, k = layer.project_qk(q, k)
             q, k = ops.rotary_embedding(positions, q, k, layer.cos, layer.sin)
             k_buffer, v_buffer = k_buffers[layer.layer_id], v_buffers[layer.layer_id]
-            ops.store_kv(k_buffer, v_buffer, loc, k, v.reshape(-1, layer.num_kv_heads, layer.head_dim))
+            v = v.reshape(-1, layer.num_kv_heads, layer.head_dim)
+            if self.kv_cast is not None:
+                k, v = k.to(self.kv_cast), v.to(self.kv_cast)
+            ops.store_kv(k_buffer, v_buffer, loc, k, v)
             q = q.reshape(-1, layer.split[0]).reshape(-1, layer.num_heads, layer.head_dim)
             out = self.paged_decode(q, k_buffer, v_buffer, req_to_token, rows, seq_lens, layer.scaling)
             hidden = layer.o_proj(out.view(-1, layer.split[0]))

@@ -29,7 +29,10 @@ Models: demo (srt/demo_model, context 512: --quick only), smollm2 (SmolLM2-135M-
 scripts/make_real_model.py), llama-26m (a randomly initialised ~25M-parameter Llama with SmolLM2's tokenizer
 and 8k context, built by scripts/make_bench_llama.py: the same workloads at a fifth of the weights), or the
 path of a Hugging Face folder.
-Ratios are ours/peer: above 1 for tok/s and below 1 for TTFT mean ours is better.
+Ratios are ours/peer: above 1 for tok/s and below 1 for TTFT mean ours is better. Under the table, a
+line per dtype says what each server keeps its KV cache in: llama-server stores f16 K/V even for f32
+weights unless --llama-args sets -ctk / -ctv; ours follows the weights unless --our-args sets
+--kv-cache-dtype.
 """
 
 from __future__ import annotations
@@ -380,6 +383,37 @@ def format_table(rows: List[List[str]]) -> str:
 
 
 # ---------------------------------------------------------------------------------------- main
+def _flag(argv: List[str], *names: str) -> Optional[str]:
+    """The last value given to any of `names` in `argv` ("--name V" or "--name=V"), else None."""
+    value = None
+    for i, arg in enumerate(argv):
+        for name in names:
+            if arg == name and i + 1 < len(argv):
+                value = argv[i + 1]
+            elif arg.startswith(name + "="):
+                value = arg[len(name) + 1:]
+    return value
+
+
+def kv_cache_dtypes(opts: argparse.Namespace, dtype: str) -> Dict[str, str]:
+    """What each server stores its KV cache in for weights of `dtype`. llama-server keeps f16 K/V
+    whatever the GGUF's type unless -ctk / -ctv say otherwise; ours follows the weights unless
+    --kv-cache-dtype says otherwise; transformers' cache holds the model's dtype."""
+    out = {}
+    for name in opts.servers:
+        if name == "ours":
+            ours = _flag(shlex.split(opts.our_args), "--kv-cache-dtype")
+            out[name] = dtype if ours in (None, "auto") else ours
+        elif name == "llama.cpp":
+            llama = shlex.split(opts.llama_args)
+            k = _flag(llama, "-ctk", "--cache-type-k") or "f16"
+            v = _flag(llama, "-ctv", "--cache-type-v") or "f16"
+            out[name] = k if k == v else f"K {k} / V {v}"
+        else:
+            out[name] = dtype
+    return out
+
+
 def resolve_model(name: str) -> Path:
     if name == "demo":
         return REPO_ROOT / "srt" / "demo_model"
@@ -478,6 +512,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     results = {key: results[key] for key in itertools.product(opts.workloads, opts.dtypes, opts.servers)}
     print(f"\nmodel {model.name}, concurrency {opts.sizes.concurrency}; ratios are ours/peer")
     print(format_table(build_rows(results)))
+    for dtype in opts.dtypes:
+        kv = kv_cache_dtypes(opts, dtype)
+        print(f"KV cache under {dtype} weights: " + ", ".join(f"{name} {kv[name]}" for name in opts.servers))
     complete = all(s and not s["failed"] and s["total_output_tokens"] == s["expected_output_tokens"]
                    for v in results.values() for s in (v if isinstance(v, list) else [v]))
     return 0 if complete else 1

@@ -142,7 +142,7 @@ def test_a_failed_round_drops_its_pair_and_is_counted(bp):
     assert peer[8] == "3.00x"  # only round 1 has both servers
 
 
-def test_repeats_alternate_the_order_of_the_servers(bp, monkeypatch, tmp_path):
+def test_repeats_alternate_the_order_of_the_servers(bp, monkeypatch, tmp_path, capsys):
     calls = []
     monkeypatch.setattr(bp, "resolve_model", lambda name: tmp_path)
     monkeypatch.setattr(bp, "check_context", lambda model, opts: None)
@@ -152,5 +152,17 @@ def test_repeats_alternate_the_order_of_the_servers(bp, monkeypatch, tmp_path):
                     "--repeats", "3", "--log-dir", str(tmp_path)]) == 0
     assert calls == [("ours", 0), ("transformers", 0), ("transformers", 1), ("ours", 1), ("ours", 2),
                      ("transformers", 2)]
+    assert capsys.readouterr().out.splitlines()[-1] == "KV cache under bf16 weights: ours bf16, transformers bf16"
     with pytest.raises(SystemExit):
         bp.parse_args(["--repeats", "0"])
+
+
+def test_kv_cache_dtypes_say_what_each_server_stores(bp, tmp_path):
+    opts = bp.parse_args(["--servers", "ours", "transformers", "--dtypes", "fp32", "--log-dir", str(tmp_path)])
+    assert bp.kv_cache_dtypes(opts, "fp32") == {"ours": "fp32", "transformers": "fp32"}
+    opts.servers, opts.our_args = ["ours", "llama.cpp"], "--kv-cache-dtype bf16"
+    assert bp.kv_cache_dtypes(opts, "fp32") == {"ours": "bf16", "llama.cpp": "f16"}  # llama-server's default
+    opts.our_args, opts.llama_args = "--kv-cache-dtype=auto", "-t 2 -ctk f32 --cache-type-v=f32"
+    assert bp.kv_cache_dtypes(opts, "bf16") == {"ours": "bf16", "llama.cpp": "f32"}
+    opts.llama_args = "-ctk q8_0"
+    assert bp.kv_cache_dtypes(opts, "fp32")["llama.cpp"] == "K q8_0 / V f16"

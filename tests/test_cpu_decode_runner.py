@@ -59,18 +59,20 @@ def test_runner_logits_equal_with_pages_of_16(llama_model):
     assert_pool_conserved(runner)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_runner_serves_an_fp32_model_over_a_bf16_pool(request, arch):
-    """--kv-cache-dtype bf16 under an fp32 model: the runner casts each step's K/V rows on store
-    as the pool's set_kv_buffer does, so its logits still equal the module forward's."""
-    runner = make_runner(request.getfixturevalue(f"{arch}_model"), dtype="float32", kv_cache_dtype="bf16")
-    assert runner.dtype == torch.float32 and runner.token_to_kv_pool.store_dtype == torch.bfloat16
+@pytest.mark.parametrize("arch,dtype,kv,store", [("llama", "float32", "bf16", torch.bfloat16),
+                                                 ("qwen3", "float32", "bf16", torch.bfloat16),
+                                                 ("llama", "bfloat16", "fp32", torch.float32)])
+def test_runner_serves_a_pool_of_another_dtype(request, arch, dtype, kv, store):
+    """--kv-cache-dtype bf16 under an fp32 model (or fp32 under bf16): the runner casts each step's
+    K/V rows on store as the pool's set_kv_buffer does, so its logits still equal the module forward's."""
+    runner = make_runner(request.getfixturevalue(f"{arch}_model"), dtype=dtype, kv_cache_dtype=kv)
+    assert runner.dtype == getattr(torch, dtype) and runner.token_to_kv_pool.store_dtype == store
     assert runner.cpu_decode_runner is not None, CpuDecodeRunner.why_not(runner)
     prompts = random_prompts(runner.model_config.vocab_size, [6, 29, 2], seed=11)
     pairs = _module_and_runner_logits(runner, prompts, steps=5)
     assert len(pairs) == 5
     for modules, flat in pairs:
-        assert modules.dtype == flat.dtype == torch.float32
+        assert modules.dtype == flat.dtype
         assert torch.equal(modules, flat)
     assert_pool_conserved(runner)
 

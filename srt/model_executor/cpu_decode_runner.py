@@ -10,10 +10,11 @@ bit-identical (tests/test_cpu_decode_runner.py).
 
 It runs decode on the CPU when every layer is the Llama family's (Llama, Mistral, Qwen2's qkv bias,
 Qwen3's q/k norms), the fused C++ ops serve the model's dtype and the paged decode op serves it
-with the KV pool's dtype (fp32 or bf16: an fp32 model over a bf16 pool, --kv-cache-dtype bf16,
-casts each step's K/V rows on store as the pool's `set_kv_buffer` does). It is off under --enable-torch-compile (the compiled forward runs decode)
-and with SRT_CPU_DECODE_RUNNER=0. Anything else (extend, mixed batches, a step on another attention
-backend than the one bound) runs the module forward.
+with the KV pool's dtype (fp32 or bf16; a pool of the other one, such as --kv-cache-dtype bf16
+under fp32 weights, gets each step's K/V rows cast on store, as the pool's `set_kv_buffer` casts
+them). It is off under --enable-torch-compile (the compiled forward runs decode) and with
+SRT_CPU_DECODE_RUNNER=0. Anything else (extend, mixed batches, a step on another attention backend
+than the one bound) runs the module forward.
 """
 
 from __future__ import annotations

@@ -78,14 +78,9 @@ def format_table(rows: List[List[str]]) -> str:
 
 def _flag(argv: List[str], *names: str) -> Optional[str]:
     """The last value given to any of `names` in `argv` ("--name V" or "--name=V"), else None."""
-    value = None
-    for i, arg in enumerate(argv):
-        for name in names:
-            if arg == name and i + 1 < len(argv):
-                value = argv[i + 1]
-            elif arg.startswith(name + "="):
-                value = arg[len(name) + 1:]
-    return value
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument(*names, dest="value")
+    return parser.parse_known_args(argv)[0].value
 
 
 def kv_cache_dtypes(opts: argparse.Namespace, dtype: str) -> Dict[str, str]:

@@ -139,8 +139,9 @@ class BasePrefixCache(abc.ABC):
 
 
 def as_radix_key(key: KeyLike) -> RadixKey:
-    """Accept a `RadixKey` or a plain sequence of ints (default namespace)."""
-    return key if isinstance(key, RadixKey) else RadixKey(key)
+    """Accept a `RadixKey` or a plain sequence of ints (default namespace; the key is fixed to
+    the ids the sequence holds now)."""
+    return key if isinstance(key, RadixKey) else RadixKey(key, fixed=True)
 
 
 def empty_indices(device: Union[str, torch.device] = "cpu") -> torch.Tensor:

@@ -117,13 +117,14 @@ class RadixCache(BasePrefixCache):
         it afterwards; `node_slots` says when it is copied). Token ids must fit in int32; ids
         stored without being compared are checked when first packed (by a later match).
         """
-        key = key if isinstance(key, RadixKey) else as_radix_key(key)
+        if not isinstance(key, RadixKey):
+            key = RadixKey(key, None, True)  # as_radix_key, inlined: insert is a hot path
         if self.disable:
             return 0
         if value is None:
             value = torch.tensor(key.token_ids, dtype=torch.int64, device="cpu")
-        length = len(key)
-        if value.dim() != 1 or value.numel() != length:
+        length = key.__len__()
+        if value.ndim != 1 or value.numel() != length:
             raise ValueError(f"value must be 1-D with len(key)={length} entries, got shape {tuple(value.shape)}")
         n = length - length % self.page_size
         if n == 0:
@@ -138,9 +139,9 @@ class RadixCache(BasePrefixCache):
         return length - length % self.page_size
 
     def child_key_of(self, key: RadixKey, pos: int = 0) -> Hashable:
-        """Dict key of a child whose key starts like `key[pos:]`: its first page's int32 bytes,
-        with the namespace when there is one."""
-        first = key.page_bytes(pos, self.page_size)
+        """Dict key of a child whose key starts like `key[pos:]`: its first token (page size 1)
+        or a tuple of its first page's tokens, with the namespace when there is one."""
+        first = key.page_key(pos, self.page_size)
         return first if key.extra_key is None else (key.extra_key, first)
 
     def _walk(self, node: TreeNode, key: RadixKey, n: int, count_hit: bool) -> Tuple[TreeNode, int, List[torch.Tensor], Any]:
@@ -150,14 +151,15 @@ class RadixCache(BasePrefixCache):
         now, pos, values = self._clock, 0, []
         page, extra_key = self.page_size, key.extra_key
         while pos < n:
-            first = key.page_bytes(pos, page)  # as child_key_of, inlined: this is the hot loop
+            first = key.page_key(pos, page)  # as child_key_of, inlined: this is the hot loop
             child_key = first if extra_key is None else (extra_key, first)
             child = node.children.get(child_key)
             if child is None:
                 return node, pos, values, child_key
-            child_len = len(child.key)
+            child_len = child.key.__len__()
             span = min(child_len, n - pos)
-            matched = self._aligned(common_prefix_len(child.key, key, pos, span))
+            matched = common_prefix_len(child.key, key, pos, span)
+            matched -= matched % page
             if matched < child_len:
                 child = self._split(child, matched)  # only the matched part is touched
             child.last_access_time = now
@@ -186,11 +188,14 @@ class RadixCache(BasePrefixCache):
                   whole: int, child_key: Any = None) -> TreeNode:
         """Hang `key[start:stop] -> value[start:stop]` under `parent` (`whole` = len(value);
         `child_key`: the leaf's dict key if the walk already computed it)."""
-        slots = node_slots(value, start, stop, whole, self._rows)
+        if start == 0 and stop == whole and value._base is None and value.dtype is torch.int64:
+            slots = value  # node_slots' first case, inlined
+        else:
+            slots = node_slots(value, start, stop, whole, self._rows)
         leaf = TreeNode(key.window(start, stop), slots, parent, self._clock)
         parent.children[child_key if child_key is not None else self.child_key_of(leaf.key)] = leaf
         self._evictable += stop - start
-        self._heap.push(leaf)
+        self._heap.push_new(leaf)
         return leaf
 
     # -- locks and eviction ------------------------------------------------------------------

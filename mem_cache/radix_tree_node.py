@@ -18,7 +18,7 @@ import torch
 _INT32 = 4  # bytes per packed token id
 FIRST_WINDOW = 512  # tokens compared (and packed) first when a key is not packed that far yet
 WINDOW_STEP = 4096  # most tokens a comparison window or a packing step grows by at once
-_PACK_ONE = struct.Struct("i").pack
+_UNPACK_ONE = struct.Struct("i").unpack_from
 _new_key = object.__new__
 
 
@@ -30,14 +30,14 @@ def pack_token_ids(token_ids: Sequence[int]) -> bytes:
         raise ValueError(f"token ids must be ints in the int32 range: {e}") from None
 
 
-_PAGE_PACKERS = {1: _PACK_ONE}  # page size -> compiled `struct.Struct(f"{size}i").pack`
+_PAGE_UNPACKERS = {}  # page size -> compiled `struct.Struct(f"{size}i").unpack_from`
 
 
-def _page_packer(size: int):
-    packer = _PAGE_PACKERS.get(size)
-    if packer is None:
-        packer = _PAGE_PACKERS[size] = struct.Struct(f"{size}i").pack
-    return packer
+def _page_unpacker(size: int):
+    unpacker = _PAGE_UNPACKERS.get(size)
+    if unpacker is None:
+        unpacker = _PAGE_UNPACKERS[size] = struct.Struct(f"{size}i").unpack_from
+    return unpacker
 
 
 class RadixKey:
@@ -45,10 +45,14 @@ class RadixKey:
 
     Keys with different `extra_key` never share tree nodes. Slicing keeps `extra_key`.
     A key keeps a reference to the given list (no copy). A key built on a list follows it as
-    it grows (appending is how a request's key gains its outputs); a slice is a fixed window
-    `[start, stop)` of that list, made in O(1), so `RadixCache.insert` stores the new leaf's
-    tokens and `_split` cuts a node without copying or packing anything. Do not change a list
-    in place while a key or a tree node refers to it (appending is fine).
+    it grows (appending is how a request's key gains its outputs), unless built `fixed` (the
+    ids the list holds now: how the cache wraps a plain list it is given); a slice is a fixed
+    window `[start, stop)` of that list, made in O(1), so `RadixCache.insert` stores the new
+    leaf's tokens and `_split` cuts a node without copying or packing anything. Do not change a
+    list in place while a key or a tree node refers to it (appending is fine).
+
+    Child lookups read a page's ids as they are (`page_key`: an int, or a tuple of ints), so a
+    walk that misses packs nothing.
 
     Packing ids into int32 bytes is the one per-token cost of a comparison (~10 ns/token in
     CPython). It is done lazily, only as far as a comparison has got (`packed_upto`), and
@@ -64,10 +68,11 @@ class RadixKey:
 
     __slots__ = ("_ids", "_start", "_stop", "_packed", "extra_key")
 
-    def __init__(self, token_ids: Sequence[int] = (), extra_key: Optional[Hashable] = None):
-        self._ids: Optional[List[int]] = token_ids if type(token_ids) is list else list(token_ids)
+    def __init__(self, token_ids: Sequence[int] = (), extra_key: Optional[Hashable] = None, fixed: bool = False):
+        ids = token_ids if type(token_ids) is list else list(token_ids)
+        self._ids: Optional[List[int]] = ids
         self._start = 0
-        self._stop: Optional[int] = None
+        self._stop: Optional[int] = len(ids) if fixed else None  # fixed: the ids as they are now
         self._packed = b""
         self.extra_key = extra_key
 
@@ -117,19 +122,17 @@ class RadixKey:
             self._ids = None  # a window packed to its end needs its list no more
         return packed
 
-    def page_bytes(self, pos: int, size: int) -> bytes:
-        """int32 bytes of ids `[pos, pos + size)` (within the key): from the packed prefix, or
-        packed on the spot without caching (a child lookup that misses packs one page only)."""
-        packed, W = self._packed, _INT32
-        if len(packed) >= (pos + size) * W:
-            return packed[pos * W : (pos + size) * W]
-        start = self._start + pos
-        try:
-            if size == 1:
-                return _PACK_ONE(self._ids[start])
-            return _page_packer(size)(*self._ids[start : start + size])
-        except struct.error as e:
-            raise ValueError(f"token ids must be ints in the int32 range: {e}") from None
+    def page_key(self, pos: int, size: int) -> Hashable:
+        """The ids `[pos, pos + size)` (within the key) as a hashable, packing nothing: the id
+        itself for size 1, else a tuple of ids (as SGLang keys a node's children). Read from the
+        token list, or unpacked when the key holds bytes only."""
+        ids = self._ids
+        if ids is not None:
+            start = self._start + pos
+            return ids[start] if size == 1 else tuple(ids[start : start + size])
+        if size == 1:
+            return _UNPACK_ONE(self._packed, pos * _INT32)[0]
+        return _page_unpacker(size)(self._packed, pos * _INT32)
 
     @property
     def num_packed(self) -> int:
@@ -159,7 +162,11 @@ class RadixKey:
         return self.window(start, max(start, stop))
 
     def window(self, start: int, stop: int) -> RadixKey:
-        """`self[start:stop]` for `0 <= start <= stop <= len(self)`, without slice parsing."""
+        """`self[start:stop]` for `0 <= start <= stop <= len(self)`, without slice parsing. A
+        fixed key asked for all of itself is returned as it is (a key's content never changes;
+        packing only caches it)."""
+        if start == 0 and self._stop is not None and stop == self._stop - self._start:
+            return self
         out = _new_key(RadixKey)
         out.extra_key = self.extra_key
         packed = self._packed
@@ -193,9 +200,11 @@ def common_prefix_len(node_key: RadixKey, key: RadixKey, pos: int, span: int) ->
     """How many tokens `node_key[:span]` and `key[pos:pos+span]` share (span >= 1).
 
     Spans are compared with `bytes ==`, never token by token. When both keys are packed that
-    far the whole span is compared at once; otherwise windows grow from FIRST_WINDOW tokens
-    (doubling, by at most WINDOW_STEP), packing each key only as far as compared, so a mismatch
-    early in a long node costs little and a node is never packed much beyond its divergence.
+    far the whole span is compared at once; so is a span of up to 2 x FIRST_WINDOW tokens
+    (packed exactly that far: a second window would pack ahead of it). Longer spans are compared
+    in windows that grow from FIRST_WINDOW tokens (doubling, by at most WINDOW_STEP), packing
+    each key only as far as compared, so a mismatch early in a long node costs little and a
+    node is never packed much beyond its divergence.
     Inside the first window that differs, bisection on slices keeps `a[:lo] == b[:lo]` and
     `a[:hi] != b[:hi]`.
     """
@@ -203,7 +212,7 @@ def common_prefix_len(node_key: RadixKey, key: RadixKey, pos: int, span: int) ->
     a, b = node_key._packed, key._packed
     lo, hi = 0, span
     if len(a) < span * W or len(b) < (pos + span) * W:
-        hi = min(span, FIRST_WINDOW)
+        hi = span if span <= 2 * FIRST_WINDOW else FIRST_WINDOW
     while True:
         if len(a) < hi * W:
             a = node_key.packed_upto(hi)

@@ -78,7 +78,7 @@ class Ours:
         return m.device_indices, m.last_node
 
     def insert(self, ids: List[int], value: torch.Tensor) -> int:
-        return self.cache.insert(RadixKey(ids), value)
+        return self.cache.insert(ids, value)  # a list, as SGLang's insert is given
 
     def evict(self, num_tokens: int) -> int:
         return self.cache.evict(num_tokens)

@@ -123,9 +123,17 @@ def test_a_miss_packs_only_the_start_of_a_long_key():
     assert len(key._packed) <= 64 * 4  # cost follows the matched length, not the key length
 
 
-def test_token_ids_outside_int32_are_refused():
+def test_token_ids_outside_int32_are_refused_when_compared():
+    # Child lookups read ids without packing them (a miss at the root packs nothing); a span
+    # that is compared is packed, and an id outside int32 is refused there, not wrapped.
+    cache = tree_only()
+    cache.insert([1, 2, 3])
     with pytest.raises(ValueError, match="int32"):
-        tree_only().match_prefix([2**31])
+        cache.match_prefix([1, 2**31])
+    with pytest.raises(ValueError, match="int32"):
+        cache.insert([1, -(2**31) - 1, 3])
+    assert len(cache.match_prefix([1, 2, 3]).device_indices) == 3  # the tree is unharmed
+    cache.check_invariants()
 
 
 # -- namespaces ----------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ start at a request's locked `last_node`, and eviction order and slot conservatio
 from __future__ import annotations
 
 import random
+from array import array
 from types import SimpleNamespace
 
 import pytest
@@ -137,6 +138,31 @@ def test_a_slice_of_a_growing_key_is_fixed():
     ids.extend([5, 6])
     assert len(key) == 6 and not key.fixed
     assert len(part) == 2 and part.fixed and part.token_ids == [2, 3] and part[1] == 3
+
+
+def test_a_fixed_key_keeps_the_ids_of_its_list_at_creation():
+    ids = [1, 2, 3, 4]
+    key = RadixKey(ids, fixed=True)
+    ids.extend([5, 6])
+    assert len(key) == 4 and key.fixed and key.token_ids == [1, 2, 3, 4]
+    assert key.window(0, 4) is key  # all of a fixed key: the key itself, nothing copied
+    assert key.window(0, 3) is not key and key.window(0, 3).token_ids == [1, 2, 3]
+    growing = RadixKey(ids)
+    assert growing.window(0, 6) is not growing  # a growing key's window must be a new, fixed key
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_packed_and_list_keys_find_the_same_child(page):
+    # Children are looked up by the page's ids, whether the key holds a list or only bytes.
+    alloc = PagedTokenToKVPoolAllocator(256, page) if page > 1 else None
+    cache = RadixCache(None, alloc, page_size=page)
+    ids = [7, 8, 9, 10, 11, 12, 13, 14]
+    cache.insert(ids, torch.arange(page, page + 8, device="cpu") if page > 1 else None)
+    assert len(cache.match_prefix(RadixKey.from_packed(array("i", ids).tobytes())).device_indices) == 8
+    assert len(cache.match_prefix(RadixKey(ids, extra_key="other")).device_indices) == 0
+    miss = RadixKey([99] * 4096)
+    assert len(cache.match_prefix(miss).device_indices) == 0 and miss.num_packed == 0  # a miss packs nothing
+    cache.check_invariants()
 
 
 def test_a_split_of_an_unpacked_node_keeps_both_halves_exact():

@@ -117,18 +117,23 @@ class RadixCache(BasePrefixCache):
         it afterwards; `node_slots` says when it is copied). Token ids must fit in int32; ids
         stored without being compared are checked when first packed (by a later match).
         """
-        if not isinstance(key, RadixKey):
-            key = RadixKey(key, None, True)  # as_radix_key, inlined: insert is a hot path
         if self.disable:
             return 0
+        ids = None
+        if isinstance(key, RadixKey):
+            length = key.__len__()
+        else:
+            ids = key if type(key) is list else list(key)
+            length = len(ids)
         if value is None:
-            value = torch.tensor(key.token_ids, dtype=torch.int64, device="cpu")
-        length = key.__len__()
+            value = torch.tensor(key.token_ids if ids is None else ids, dtype=torch.int64, device="cpu")
         if value.ndim != 1 or value.numel() != length:
             raise ValueError(f"value must be 1-D with len(key)={length} entries, got shape {tuple(value.shape)}")
         n = length - length % self.page_size
         if n == 0:
             return 0
+        if ids is not None:  # a plain list: a fixed key over its whole pages, the new leaf's key on a miss
+            key = RadixKey(ids, None, n)
         self._clock += 1
         node, pos, _, child_key = self._walk(self.root, key, n, count_hit=False)
         if pos < n:

@@ -68,11 +68,13 @@ class RadixKey:
 
     __slots__ = ("_ids", "_start", "_stop", "_packed", "extra_key")
 
-    def __init__(self, token_ids: Sequence[int] = (), extra_key: Optional[Hashable] = None, fixed: bool = False):
+    def __init__(self, token_ids: Sequence[int] = (), extra_key: Optional[Hashable] = None,
+                 fixed: Union[bool, int] = False):
         ids = token_ids if type(token_ids) is list else list(token_ids)
         self._ids: Optional[List[int]] = ids
         self._start = 0
-        self._stop: Optional[int] = len(ids) if fixed else None  # fixed: the ids as they are now
+        # fixed: the ids the list holds now (an int: its first `fixed` ids); else follow the list
+        self._stop: Optional[int] = None if fixed is False else len(ids) if fixed is True else fixed
         self._packed = b""
         self.extra_key = extra_key
 

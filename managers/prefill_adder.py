@@ -57,7 +57,7 @@ class InBatchPrefixIndex:
         """Record `req`'s whole prompt and outputs (all of a chunked request's later chunks too)."""
         if self._tree is None:
             self._tree = RadixCache(None, None)  # tree-only: the values are the token ids
-        self._tree.insert(RadixKey(req.origin_input_ids + req.output_ids, req.extra_key))
+        self._tree.insert(RadixKey(req.origin_input_ids + req.output_ids, req.extra_key, fixed=True))
 
     def shared_uncached_len(self, req: Req) -> int:
         """Tokens beyond `req`'s cached prefix (after `init_next_round_input`) that a recorded
@@ -65,7 +65,7 @@ class InBatchPrefixIndex:
         (`max_prefix_len`): tokens it must recompute anyway are no reason to wait."""
         if self._tree is None:
             return 0
-        match = self._tree.match_prefix(RadixKey(req.origin_input_ids + req.output_ids, req.extra_key))
+        match = self._tree.match_prefix(RadixKey(req.origin_input_ids + req.output_ids, req.extra_key, fixed=True))
         return min(len(match.device_indices), req.max_prefix_len()) - len(req.prefix_indices)
 
 

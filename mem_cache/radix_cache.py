@@ -302,7 +302,7 @@ class RadixCache(BasePrefixCache):
         start = self._enter_at_lock(req, protected)
         kv = self._row_copy(req, protected, req.kv_allocated_len)
         a, m = protected + n, len(origin)
-        key = RadixKey(origin[protected:a] + output[max(protected - m, 0) : max(a - m, 0)], req.extra_key)
+        key = RadixKey(origin[protected:a] + output[max(protected - m, 0) : max(a - m, 0)], req.extra_key, fixed=True)
         node, matched, _, child_key = self._walk(start, key, n, count_hit=False)
         if matched < n:
             self._add_leaf(node, key, matched, n, kv, len(kv), child_key)
@@ -331,7 +331,7 @@ class RadixCache(BasePrefixCache):
         self._clock += 1
         start = self._enter_at_lock(req, protected)
         kv = self._row_copy(req, protected, committed)
-        key = RadixKey(req.fill_ids[protected:aligned], req.extra_key)
+        key = RadixKey(req.fill_ids[protected:aligned], req.extra_key, fixed=True)
         new_last, matched, values, child_key = self._walk(start, key, n, count_hit=False)
         if matched < n:
             new_last = self._add_leaf(new_last, key, matched, n, kv, len(kv), child_key)

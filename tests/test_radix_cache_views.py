@@ -154,15 +154,19 @@ def test_a_fixed_key_keeps_the_ids_of_its_list_at_creation():
 @pytest.mark.parametrize("page", [1, 4])
 def test_packed_and_list_keys_find_the_same_child(page):
     # Children are looked up by the page's ids, whether the key holds a list or only bytes.
-    alloc = PagedTokenToKVPoolAllocator(256, page) if page > 1 else None
+    alloc = PagedTokenToKVPoolAllocator(256, page) if page > 1 else TokenToKVPoolAllocator(256)
     cache = RadixCache(None, alloc, page_size=page)
     ids = [7, 8, 9, 10, 11, 12, 13, 14]
-    cache.insert(ids, torch.arange(page, page + 8, device="cpu") if page > 1 else None)
-    assert len(cache.match_prefix(RadixKey.from_packed(array("i", ids).tobytes())).device_indices) == 8
+    slots = alloc.alloc(8)
+    assert cache.insert(ids, slots) == 0
+    found = cache.match_prefix(RadixKey.from_packed(array("i", ids).tobytes()))
+    assert torch.equal(found.device_indices, slots)
     assert len(cache.match_prefix(RadixKey(ids, extra_key="other")).device_indices) == 0
     miss = RadixKey([99] * 4096)
     assert len(cache.match_prefix(miss).device_indices) == 0 and miss.num_packed == 0  # a miss packs nothing
     cache.check_invariants()
+    assert cache.evict(8) == 8 and cache.total_size() == 0
+    assert alloc.available_size() == 256  # every slot is back with the allocator
 
 
 def test_a_split_of_an_unpacked_node_keeps_both_halves_exact():

@@ -58,11 +58,6 @@ class EvictHeap:
             node.in_heap = True
             self._noted.append(node)
 
-    def push_new(self, node: TreeNode) -> None:
-        """`push` for a node just created (it has no entry yet)."""
-        node.in_heap = True
-        self._noted.append(node)
-
     def _file_noted(self) -> None:
         """Move the noted nodes that are still unlocked leaves into the heap (a heapify when
         they are many compared with the heap, else one push each)."""

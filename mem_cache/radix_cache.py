@@ -121,7 +121,7 @@ class RadixCache(BasePrefixCache):
             return 0
         ids = None
         if isinstance(key, RadixKey):
-            length = key.__len__()
+            length = len(key)
         else:
             ids = key if type(key) is list else list(key)
             length = len(ids)
@@ -161,7 +161,7 @@ class RadixCache(BasePrefixCache):
             child = node.children.get(child_key)
             if child is None:
                 return node, pos, values, child_key
-            child_len = child.key.__len__()
+            child_len = len(child.key)
             span = min(child_len, n - pos)
             matched = common_prefix_len(child.key, key, pos, span)
             matched -= matched % page
@@ -193,14 +193,11 @@ class RadixCache(BasePrefixCache):
                   whole: int, child_key: Any = None) -> TreeNode:
         """Hang `key[start:stop] -> value[start:stop]` under `parent` (`whole` = len(value);
         `child_key`: the leaf's dict key if the walk already computed it)."""
-        if start == 0 and stop == whole and value._base is None and value.dtype is torch.int64:
-            slots = value  # node_slots' first case, inlined
-        else:
-            slots = node_slots(value, start, stop, whole, self._rows)
+        slots = node_slots(value, start, stop, whole, self._rows)
         leaf = TreeNode(key.window(start, stop), slots, parent, self._clock)
         parent.children[child_key if child_key is not None else self.child_key_of(leaf.key)] = leaf
         self._evictable += stop - start
-        self._heap.push_new(leaf)
+        self._heap.push(leaf)
         return leaf
 
     # -- locks and eviction ------------------------------------------------------------------

@@ -127,6 +127,8 @@ inline void score_rows(const float* const* q, const float* kt, float* const* out
 
 #if defined(__AVX512F__)
 #define SRT_CPU_DIRECT_SCORES 1
+constexpr int64_t kDirectScoreDim = 16;  // score_rows_direct's head dim: whole vectors
+constexpr bool kDirectScoresBf16 = true;  // also for bf16 K rows (widened as they are read)
 
 // Scores of `rows` query rows against the block's n key rows where they lie in the pool: no
 // transposed copy of the block, which cost several times the products themselves when a kv
@@ -162,6 +164,56 @@ inline void score_rows_direct(const float* const* q, const kv_t* const* keys, fl
         for (int i = 0; i < 16; ++i) a[i] = _mm512_fmadd_ps(qd, (__m512)vload(k[i] + d), a[i]);
       }
       _mm512_storeu_ps(out[r] + j0, _mm512_maskz_mov_ps(valid, sum_lanes16(a)));
+    }
+  }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#define SRT_CPU_DIRECT_SCORES 1
+constexpr int64_t kDirectScoreDim = 8;
+// fp32 K rows only: bf16 rows are widened once per query row here, and with the query rows of
+// a shared prefix (16 requests x 2) that made the op 1.6x slower than widening them once into
+// the transposed block (alone, 2 rows, it was 1.25x faster). The choice must not depend on the
+// rows of a task, so that a request's bits do not depend on the requests that share its prefix.
+constexpr bool kDirectScoresBf16 = false;
+
+// Lane i = the sum of a[i]'s eight lanes (three rounds of pairwise adds, the same for every row).
+inline __m256 sum_lanes8(const __m256 a[8]) {
+  const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
+  // Lanes 0-3: the sums of a[0..3]'s (h0123) or a[4..7]'s (h4567) low halves, lanes 4-7 of their high halves.
+  const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20), _mm256_permute2f128_ps(h0123, h4567, 0x31));
+}
+
+// AVX2 form of the above: per row and eight keys, eight independent FMA chains over the head
+// dim's 8-lane vectors, then sum_lanes8. Where a kv head has two query rows (decode), the
+// transposed copy of each block cost more than the products. Lanes past n score 0. `dim` a
+// multiple of 8.
+template <typename kv_t>
+inline void score_rows_direct(const float* const* q, const kv_t* const* keys, float* const* out, int64_t rows,
+                              int64_t n, int64_t dim) {
+  static_assert(kBlockTokens % 8 == 0, "whole groups of eight keys");
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t j0 = 0; j0 < kBlockTokens; j0 += 8) {
+    if (j0 >= n) {
+      for (int64_t r = 0; r < rows; ++r) _mm256_storeu_ps(out[r] + j0, _mm256_setzero_ps());
+      continue;
+    }
+    const kv_t* k[8];
+    for (int i = 0; i < 8; ++i) k[i] = keys[j0 + i < n ? j0 + i : 0];  // past n: any valid row, cleared below
+    const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - j0)), lane));
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* qr = q[r];
+      __m256 a[8];
+      const __m256 q0 = _mm256_loadu_ps(qr);
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) a[i] = _mm256_mul_ps(q0, (__m256)vload(k[i]));
+      for (int64_t d = 8; d < dim; d += 8) {
+        const __m256 qd = _mm256_loadu_ps(qr + d);
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qd, (__m256)vload(k[i] + d), a[i]);
+      }
+      _mm256_storeu_ps(out[r] + j0, _mm256_and_ps(valid, sum_lanes8(a)));
     }
   }
 }

@@ -7,6 +7,7 @@
     python scripts/bench_one_batch.py --no-hf --batch-sizes 16 --input-lens 1100 --decode-attention paged torch
     python scripts/bench_one_batch.py --preset thin-30 --no-hf --batch-sizes 1 16   # fixed cost of a step
     python scripts/bench_one_batch.py --preset thin-30 --no-hf --decode-modes modules eager   # CPU decode runner
+    python scripts/bench_one_batch.py --preset thin-30 --no-hf --decode-modes python-layers eager   # its C++ layer loop
 
 `--tp-size N` (no HF) measures decode step time at TP = 1 (this process, all threads) and at TP = N
 (N spawned ranks over gloo/NCCL, the threads split between them) on the same weights and prompts,
@@ -26,7 +27,8 @@ gather into padded buffers + SDPA fallback). The table gives the median step of 
 replay of padded static buffers on CPU, which gathers the full context width and is only a
 test path there), `compile` (as --enable-torch-compile: compiled buckets inside the graphs on
 CUDA, the dynamic-shape compiled forward on CPU), `modules` (CPU: the module tree's forward, with
-the CPU decode runner of `eager` turned off). On CUDA the table adds the memory-bandwidth roofline:
+the CPU decode runner of `eager` turned off), `python-layers` (CPU: that runner with its layers run
+by its Python loop instead of one decode_layers call, kernels/cpu/csrc/decode_layers.cpp). On CUDA the table adds the memory-bandwidth roofline:
 weight bytes read per decode step / --peak-bandwidth-tbs, as a fraction of the measured step.
 
 Both runtimes get the same weights (HF's seeded random init, saved and loaded by ours for presets)
@@ -53,7 +55,7 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 from srt.model_executor.cuda_graph_runner import CudaGraphRunner  # noqa: E402
 from srt.model_executor.model_runner import ModelRunner  # noqa: E402
 from srt.model_executor.static_batch import StaticBatch  # noqa: E402
-from srt.server_args import ATTENTION_BACKEND_CHOICES, ServerArgs  # noqa: E402
+from srt.server_args import ATTENTION_BACKEND_CHOICES, KV_CACHE_DTYPE_CHOICES, ServerArgs  # noqa: E402
 
 PRESETS = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -128,9 +130,12 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers side")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
+                   help="KV storage dtype, as the server flag (auto = the weights' dtype)")
     p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKEND_CHOICES,
                    help="as launch_server's (auto = flashinfer on CUDA when installed)")
-    p.add_argument("--decode-modes", nargs="+", choices=["eager", "modules", "graph", "compile"], default=None,
+    p.add_argument("--decode-modes", nargs="+", choices=["eager", "python-layers", "modules", "graph", "compile"],
+                   default=None,
                    help="measure decode in each mode side by side (see the module docstring); no HF")
     p.add_argument("--peak-bandwidth-tbs", type=float, default=4.8, help="memory bandwidth for the roofline (H200: 4.8)")
     p.add_argument("--json-out", help="also write the rows as JSON here")
@@ -167,7 +172,8 @@ def main() -> None:
     # on CPU the runner compiles the decode forward while it starts.
     compiles = "compile" in (args.decode_modes or [])
     sa = ServerArgs(model_path=path, dtype=args.dtype, device=args.device, load_format=load_format,
-                    disable_cuda_graph=True, enable_torch_compile=compiles, attention_backend=args.attention_backend)
+                    disable_cuda_graph=True, enable_torch_compile=compiles, attention_backend=args.attention_backend,
+                    kv_cache_dtype=args.kv_cache_dtype)
     T = max(args.batch_sizes) * max_len + 64
     t0 = time.perf_counter()
     runner = ModelRunner(sa, max_total_tokens=T, max_running_requests=max(args.batch_sizes))
@@ -186,7 +192,8 @@ def main() -> None:
     vocab = runner.model_config.vocab_size
     name = args.model_path or args.preset
     print(f"# bench_one_batch: {name}, {args.dtype}, {runner.device}, threads={torch.get_num_threads()}, "
-          f"output_len={args.output_len}, attention={runner.attention_backend_name}")
+          f"output_len={args.output_len}, attention={runner.attention_backend_name}, "
+          f"kv={runner.token_to_kv_pool.store_dtype}")
     head = "| batch | input | prefill tok/s | decode tok/s | decode step ms |"
     if hf is not None:
         head += " HF prefill tok/s | HF decode tok/s | prefill x | decode x |"
@@ -299,7 +306,7 @@ def bench_modes(runner: ModelRunner, args, max_len: int) -> None:
     compiled, flat = None, runner.cpu_decode_runner
     for mode in args.decode_modes:
         t0 = time.perf_counter()
-        if mode in ("eager", "modules") or (mode == "compile" and not on_cuda):
+        if mode in ("eager", "python-layers", "modules") or (mode == "compile" and not on_cuda):
             runners[mode] = None
             if mode == "compile":  # built with the runner, as at server start-up
                 if runner.compiled_forward is None:
@@ -331,6 +338,8 @@ def bench_modes(runner: ModelRunner, args, max_len: int) -> None:
                 runner.graph_runner = runners[mode]
                 runner.compiled_forward = compiled if mode == "compile" else None
                 runner.cpu_decode_runner = None if mode == "modules" else flat
+                if flat is not None:
+                    flat.use_layer_op = mode != "python-layers" and flat.why_no_layer_op is None
                 bench_ours(runner, prompts, 3)  # warm-up (and the first compile of this size)
                 times[mode] = bench_ours(runner, prompts, args.output_len)
             base = times.get("eager", times[args.decode_modes[0]])[1]
@@ -347,6 +356,8 @@ def bench_modes(runner: ModelRunner, args, max_len: int) -> None:
                 print(line, flush=True)
     runner.graph_runner = runner.compiled_forward = None
     runner.cpu_decode_runner = flat
+    if flat is not None:
+        flat.use_layer_op = flat.why_no_layer_op is None
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(rows, indent=1))
 

@@ -80,6 +80,8 @@ class Envs:
     CPU_FUSED_OPS = EnvBool(PREFIX + "CPU_FUSED_OPS", True)
     # CPU: decode through the bound, flat op sequence of srt/model_executor/cpu_decode_runner.py.
     CPU_DECODE_RUNNER = EnvBool(PREFIX + "CPU_DECODE_RUNNER", True)
+    # CPU: that runner's layers in one C++ call (kernels/cpu/csrc/decode_layers.cpp); 0 = its Python loop.
+    CPU_DECODE_LAYER_OP = EnvBool(PREFIX + "CPU_DECODE_LAYER_OP", True)
     # CPU extend attention: auto | op (kernels/cpu's paged op) | sdpa (torch's, over gathered K/V).
     CPU_EXTEND_ATTENTION = EnvStr(PREFIX + "CPU_EXTEND_ATTENTION", "auto")
     # CPU: raise glibc malloc's mmap/trim thresholds so activations are reused (srt/utils/host_allocator.py).

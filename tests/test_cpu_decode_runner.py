@@ -147,3 +147,125 @@ def test_runner_follows_the_kv_buffers_a_cache_flush_replaces(llama_model):
     assert runner.token_to_kv_pool.k_buffer[0] is not old
     assert greedy_run(runner, prompts, steps=5)[0] == before == greedy_run(off, prompts, steps=5)[0]
     assert_pool_conserved(runner)
+
+
+def _python_and_op_logits(runner, prompts, steps):
+    """Each decode step through the runner's Python layer loop and through decode_layers (the C++
+    loop), on the same batch (K/V written twice, the same values at the same slots)."""
+    dr = runner.cpu_decode_runner
+    batch = StaticBatch(runner, len(prompts))
+    pairs = []
+    try:
+        nxt = batch.extend(prompts).next_token_logits.argmax(-1)
+        for _ in range(steps):
+            fb = batch.prepare_decode(nxt)
+            runner.attn_backend.init_forward_metadata(fb)
+            with torch.inference_mode():
+                dr.use_layer_op = False
+                python = dr.forward(fb).next_token_logits
+                dr.use_layer_op = True
+                op = dr.forward(fb).next_token_logits
+            pairs.append((python, op))
+            nxt = op.argmax(-1)
+    finally:
+        dr.use_layer_op = dr.why_no_layer_op is None
+        batch.release()
+    return pairs
+
+
+@pytest.mark.parametrize("arch,dtype,kv", [("llama", "float32", "auto"), ("llama", "bfloat16", "auto"),
+                                           ("qwen2", "float32", "auto"), ("mistral", "bfloat16", "auto"),
+                                           ("llama", "float32", "bf16")])
+def test_layer_op_equals_the_python_loop(request, arch, dtype, kv):
+    """decode_layers runs the Python loop's ops in its order with its arguments: bit-identical logits
+    (Qwen2's qkv bias, bf16 weights, a bf16 pool under fp32 weights)."""
+    runner = make_runner(request.getfixturevalue(f"{arch}_model"), dtype=dtype, kv_cache_dtype=kv)
+    dr = runner.cpu_decode_runner
+    assert dr is not None and dr.why_no_layer_op is None and dr.use_layer_op
+    assert dr.layer_op_rows >= 4
+    calls = []
+    real_op = torch.ops.srt_cpu.decode_layers
+
+    class Ops:  # the real ops, counting decode_layers calls
+        def __getattr__(self, name):
+            return getattr(torch.ops.srt_cpu, name)
+
+        def decode_layers(self, *args):
+            calls.append(args[0].shape[0])
+            return real_op(*args)
+
+    dr.ops = Ops()
+    prompts = random_prompts(runner.model_config.vocab_size, [5, 33, 1, 70], seed=7)
+    pairs = _python_and_op_logits(runner, prompts, steps=5)
+    assert calls == [4] * 5  # the op ran every step, the Python loop did not call it
+    for python, op in pairs:
+        assert python.shape == op.shape == (4, runner.model_config.vocab_size)
+        assert torch.equal(python, op)
+    assert_pool_conserved(runner)
+
+
+def test_layer_op_off_where_it_cannot_serve(qwen3_model, llama_model, monkeypatch):
+    """Qwen3's q/k norms run in Python: its layers keep the Python loop (still bit-identical to
+    the module forward, test above); SRT_CPU_DECODE_LAYER_OP=0 turns the op off; a step with more
+    rows than the bound linears serve runs the Python loop."""
+    qwen3 = make_runner(qwen3_model).cpu_decode_runner
+    assert qwen3.layer_args is None and not qwen3.use_layer_op
+    assert "q/k norms" in qwen3.why_no_layer_op
+
+    monkeypatch.setenv("SRT_CPU_DECODE_LAYER_OP", "0")
+    off = make_runner(llama_model).cpu_decode_runner
+    assert off is not None and off.why_no_layer_op == "SRT_CPU_DECODE_LAYER_OP=0" and not off.use_layer_op
+    monkeypatch.delenv("SRT_CPU_DECODE_LAYER_OP")
+
+    runner = make_runner(llama_model)
+    dr = runner.cpu_decode_runner
+    dr.layer_op_rows = 2  # as if the linears served 2 rows at most
+    ran = []
+    python_loop = dr._layers
+    dr._layers = lambda fb, hidden: (ran.append(hidden.shape[0]), python_loop(fb, hidden))[1]
+    prompts = random_prompts(runner.model_config.vocab_size, [4, 9, 21], seed=2)
+    toks = greedy_run(runner, prompts, steps=3)[0]
+    assert ran == [3, 3, 3]
+    dr._layers = python_loop
+    dr.layer_op_rows = 1 << 20
+    assert greedy_run(runner, prompts, steps=3)[0] == toks
+    assert_pool_conserved(runner)
+
+
+@pytest.mark.parametrize("gemm", ["srt", "onednn", "dense", "amx"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_layer_op_runs_every_linear_kind(llama_model, monkeypatch, gemm, dtype):
+    """Each way a linear can be bound (SRT_CPU_GEMM: panels, oneDNN's packed layout, dense fp32, AMX
+    tiles; unpacked where none applies) runs the same call inside decode_layers as in the Python
+    loop. A choice this CPU cannot pack for falls back to another kind."""
+    monkeypatch.setenv("SRT_CPU_GEMM", gemm)
+    runner = make_runner(llama_model, dtype=dtype)
+    dr = runner.cpu_decode_runner
+    assert dr is not None and dr.why_no_layer_op is None, dr and dr.why_no_layer_op
+    kinds = {lin.kind for layer in dr.layers for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)}
+    assert kinds and kinds <= set(range(6))
+    prompts = random_prompts(runner.model_config.vocab_size, [3, 17, 40], seed=13)
+    for python, op in _python_and_op_logits(runner, prompts, steps=3):
+        assert torch.equal(python, op)
+    assert_pool_conserved(runner)
+
+
+def test_layer_op_runs_unpacked_weights(llama_model, monkeypatch):
+    """Weights left dense (no packing: F.linear in the Python loop, at::linear in the op): the
+    panels (forced, on any CPU) laid back out as [out, in] weights."""
+    monkeypatch.setenv("SRT_CPU_GEMM", "srt")
+    runner = make_runner(llama_model)
+    for layer in runner.model.model.layers:
+        for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            packed = module.packed_weight
+            assert packed is not None and packed.dim() == 3  # panels [P, K, width]
+            dense = packed.permute(0, 2, 1).reshape(-1, packed.shape[1])[:module.output_size]
+            module.weight = torch.nn.Parameter(dense.contiguous(), requires_grad=False)
+            module.packed_weight = None
+    runner.cpu_decode_runner = dr = CpuDecodeRunner(runner)
+    kinds = {lin.kind for layer in dr.layers for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)}
+    assert kinds == {4} and dr.why_no_layer_op is None
+    prompts = random_prompts(runner.model_config.vocab_size, [7, 2, 30], seed=17)
+    for python, op in _python_and_op_logits(runner, prompts, steps=3):
+        assert torch.equal(python, op)
+    assert_pool_conserved(runner)

@@ -23,7 +23,8 @@ from typing import Iterator, List
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("paged_attention.cpp", "extend_attention.cpp", "elementwise.cpp", "gemm.cpp", "dense_gemm.cpp", "amx_gemm.cpp", "sampling.cpp")
+SOURCES = ("paged_attention.cpp", "extend_attention.cpp", "elementwise.cpp", "gemm.cpp", "dense_gemm.cpp", "amx_gemm.cpp", "sampling.cpp",
+           "decode_layers.cpp")
 # -fopenmp: at::parallel_for is a header template whose OpenMP backend is a `#pragma omp parallel`
 # compiled into the op itself; without the flag the pragma is ignored and every op ran on one
 # thread. It links no second runtime: the library asks for libgomp.so.1, which torch has already

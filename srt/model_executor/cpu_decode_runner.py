@@ -6,7 +6,12 @@ thirty layers of `nn.Module` calls, per-call dtype and device checks (`fused_ops
 attention backend's dispatch and attribute lookups, about 180 us a layer. This runner binds each
 layer's weights and ops once, after the weights are packed, and a step calls the same
 ops in the same order with the same arguments as the module forward, so its logits are
-bit-identical (tests/test_cpu_decode_runner.py).
+bit-identical (tests/test_cpu_decode_runner.py). The layer loop itself then runs in C++ as one
+`srt_cpu::decode_layers` call (kernels/cpu/csrc/decode_layers.cpp: the same op calls through the
+dispatcher, again bit-identical), which removes the interpreter between the ops, about a dozen
+calls, views and wrapper frames per layer; the Python loop stays for what that op does not bind
+(Qwen3's q/k norms, a tensor-parallel all-reduce, more rows than a bound linear serves) and under
+SRT_CPU_DECODE_LAYER_OP=0.
 
 It runs decode on the CPU when every layer is the Llama family's (Llama, Mistral, Qwen2's qkv bias,
 Qwen3's q/k norms), the fused C++ ops serve the model's dtype and the paged decode op serves it
@@ -28,7 +33,7 @@ from torch import nn
 from kernels.attention.torch_native_backend import TorchNativeAttnBackend
 from srt.environ import envs
 from srt.layers.cpu_fused_ops import fused_ops_for
-from srt.layers.cpu_weight_packing import dense_linear
+from srt.layers.cpu_weight_packing import DENSE_KERNEL_ROWS, PANEL_DENSE_ROWS, dense_linear
 from srt.layers.linear import LinearBase, RowParallelLinear
 from srt.layers.logits_processor import LogitsProcessorOutput
 from srt.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
@@ -47,10 +52,10 @@ class _Layer(NamedTuple):
     ln2: torch.Tensor
     eps1: float
     eps2: float
-    qkv: Callable[[torch.Tensor], torch.Tensor]
-    o_proj: Callable[[torch.Tensor], torch.Tensor]
-    gate_up: Callable[[torch.Tensor], torch.Tensor]
-    down: Callable[[torch.Tensor], torch.Tensor]
+    qkv: "_Linear"
+    o_proj: "_Linear"
+    gate_up: "_Linear"
+    down: "_Linear"
     split: List[int]
     num_heads: int
     num_kv_heads: int
@@ -62,23 +67,65 @@ class _Layer(NamedTuple):
     scaling: float
 
 
-def _bind_linear(module: LinearBase, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+class _LayerOpArgs(NamedTuple):
+    """decode_layers' arguments that stay the same from step to step (in its order)."""
+    layer_ids: List[int]
+    norms: List[torch.Tensor]
+    eps: List[float]
+    weights: List[torch.Tensor]
+    biases: List[Optional[torch.Tensor]]
+    kinds: List[int]
+    out_features: List[int]
+    cos: List[torch.Tensor]
+    sin: List[torch.Tensor]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scaling: float
+    kv_dtype: Optional[torch.dtype]
+
+
+class _Linear(NamedTuple):
+    """One linear layer as a decode step runs it: `call(x)`, and how decode_layers (kernels/cpu/csrc/
+    decode_layers.cpp) runs the same call: `kind` (its LinearKind; None: only the layer's Python
+    can), the weight and bias it passes, the output features, the most rows of x that call serves."""
+    call: Callable[[torch.Tensor], torch.Tensor]
+    kind: Optional[int] = None
+    weight: Optional[torch.Tensor] = None
+    bias: Optional[torch.Tensor] = None
+    out_features: int = 0
+    max_rows: int = 0
+
+
+_PANELS, _AMX, _DENSE, _ONEDNN, _PLAIN, _ONEDNN_CAST = range(6)  # decode_layers.cpp's LinearKind
+
+
+def _bind_linear(module: LinearBase, dtype: torch.dtype) -> _Linear:
     """`module(x)` as one call: the AMX tile kernel, the dense fp32 dispatch or oneDNN's packed linear
     directly where the weight is packed for them in the model's dtype (what `packed_linear` runs for
     it), the layer's own code otherwise."""
     row_parallel = isinstance(module, RowParallelLinear)
     if row_parallel and (module.tp_size > 1 or module.bias is not None):
-        return module.forward  # all-reduce, then the bias
+        return _Linear(module.forward)  # all-reduce, then the bias
     packed, bias = module.packed_weight, module.bias
+    n = module.output_size
     if packed is not None and packed.dim() == 5 and dtype == torch.bfloat16:  # AMX tiles (kernels/cpu/gemm.py)
         amx_linear = torch.ops.srt_cpu.amx_linear
-        return lambda x: amx_linear(x, packed, bias, None)
+        return _Linear(lambda x: amx_linear(x, packed, bias, None), _AMX, packed, bias, n, 1 << 62)
     if packed is not None and packed.dim() == 2 and not packed.is_mkldnn and dtype == torch.float32:  # dense fp32
-        return lambda x: dense_linear(x, packed, bias)
+        return _Linear(lambda x: dense_linear(x, packed, bias), _DENSE, packed, bias, n, DENSE_KERNEL_ROWS)
     if packed is not None and packed.is_mkldnn and packed.dtype == dtype:
         linear = torch.ops.mkldnn._linear_pointwise
-        return lambda x: linear(x, packed, bias, "none", [], "")
-    return lambda x: module.matmul(x, bias)
+        return _Linear(lambda x: linear(x, packed, bias, "none", [], ""), _ONEDNN, packed, bias, n, 1 << 62)
+    call = lambda x: module.matmul(x, bias)  # noqa: E731
+    if packed is None:
+        return _Linear(call, _PLAIN, module.weight, bias, n, 1 << 62)
+    if packed.dim() == 3 and not packed.is_mkldnn:  # panels: packed_linear's op below its BLAS rows
+        n = module.packed_out_features or packed.shape[0] * packed.shape[2]
+        return _Linear(call, _PANELS, packed, bias, n, PANEL_DENSE_ROWS - 1)
+    if packed.is_mkldnn:  # oneDNN's layout in another dtype (bf16 weights widened to fp32)
+        return _Linear(call, _ONEDNN_CAST, packed, bias, n, 1 << 62)
+    return _Linear(call)
 
 
 def _unsupported(model: nn.Module) -> Optional[str]:
@@ -120,6 +167,43 @@ class CpuDecodeRunner:
                 cos=attn.rotary_emb.cos_cache, sin=attn.rotary_emb.sin_cache,
                 layer_id=layer_id, scaling=attn.attn.scaling,
             ))
+        self.layer_args: Optional[_LayerOpArgs] = None
+        self.layer_op_rows = 0  # the most rows of a step the C++ layer loop serves (its linears' bound)
+        self.why_no_layer_op = self._bind_layer_op()
+        self.use_layer_op = self.why_no_layer_op is None  # a benchmark may turn it off to compare
+
+    def _bind_layer_op(self) -> Optional[str]:
+        """decode_layers' per-layer arguments (kernels/cpu/csrc/decode_layers.cpp: the Python loop of
+        `forward` in one C++ call); why it cannot run this model, or None."""
+        if not envs.CPU_DECODE_LAYER_OP.get():
+            return "SRT_CPU_DECODE_LAYER_OP=0"
+        try:
+            torch.ops.srt_cpu.decode_layers
+        except (AttributeError, RuntimeError):
+            return "the C++ library has no decode_layers op"
+        first = self.layers[0]
+        shape = (first.num_heads, first.num_kv_heads, first.head_dim, first.scaling)
+        for layer in self.layers:
+            if layer.project_qk is not None:
+                return "the model projects q and k in Python (q/k norms)"
+            if (layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.scaling) != shape:
+                return "the layers' attention shapes differ"
+            if layer.split != [layer.num_heads * layer.head_dim] + [layer.num_kv_heads * layer.head_dim] * 2:
+                return "the qkv split is not heads x head_dim"
+        linears = [lin for layer in self.layers for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+        if any(lin.kind is None for lin in linears):
+            return "a linear runs its own Python (a tensor-parallel all-reduce, or a weight packed for another dtype)"
+        self.layer_op_rows = min(lin.max_rows for lin in linears)
+        self.layer_args = _LayerOpArgs(
+            layer_ids=[layer.layer_id for layer in self.layers],
+            norms=[w for layer in self.layers for w in (layer.ln1, layer.ln2)],
+            eps=[float(e) for layer in self.layers for e in (layer.eps1, layer.eps2)],
+            weights=[lin.weight for lin in linears], biases=[lin.bias for lin in linears],
+            kinds=[lin.kind for lin in linears], out_features=[lin.out_features for lin in linears],
+            cos=[layer.cos for layer in self.layers], sin=[layer.sin for layer in self.layers],
+            num_heads=shape[0], num_kv_heads=shape[1], head_dim=shape[2], scaling=float(shape[3]),
+            kv_dtype=self.kv_cast)
+        return None
 
     @classmethod
     def maybe_create(cls, runner: "ModelRunner") -> Optional["CpuDecodeRunner"]:
@@ -164,6 +248,23 @@ class CpuDecodeRunner:
         req_to_token, rows, seq_lens = fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens
         k_buffers, v_buffers = fb.token_to_kv_pool.k_buffer, fb.token_to_kv_pool.v_buffer
         hidden = model.model.embed_tokens(fb.input_ids)
+        a = self.layer_args
+        if a is not None and self.use_layer_op and hidden.shape[0] <= self.layer_op_rows:
+            hidden, residual = ops.decode_layers(
+                hidden, positions, loc, req_to_token, rows, seq_lens, k_buffers, v_buffers, a.layer_ids, a.norms,
+                a.eps, a.weights, a.biases, a.kinds, a.out_features, a.cos, a.sin, a.num_heads, a.num_kv_heads,
+                a.head_dim, a.scaling, a.kv_dtype)
+        else:
+            hidden, residual = self._layers(fb, hidden)
+        hidden, _ = model.model.norm(hidden, residual)
+        return model.logits_processor(hidden, model.lm_head, fb)
+
+    def _layers(self, fb: "ForwardBatch", hidden: torch.Tensor):
+        """The layers in Python: (hidden, residual) before the final norm."""
+        ops = self.ops
+        positions, loc = fb.positions, fb.out_cache_loc
+        req_to_token, rows, seq_lens = fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens
+        k_buffers, v_buffers = fb.token_to_kv_pool.k_buffer, fb.token_to_kv_pool.v_buffer
         residual = None
         for layer in self.layers:
             if residual is None:
@@ -171,7 +272,7 @@ class CpuDecodeRunner:
                 hidden, _ = ops.rms_norm(hidden, None, layer.ln1, layer.eps1)
             else:
                 hidden, residual = ops.rms_norm(hidden, residual, layer.ln1, layer.eps1)
-            q, k, v = layer.qkv(hidden).split(layer.split, dim=-1)
+            q, k, v = layer.qkv.call(hidden).split(layer.split, dim=-1)
             q = q.reshape(-1, layer.num_heads, layer.head_dim)
             k = k.reshape(-1, layer.num_kv_heads, layer.head_dim)
             if layer.project_qk is not None:
@@ -184,8 +285,7 @@ class CpuDecodeRunner:
             ops.store_kv(k_buffer, v_buffer, loc, k, v)
             q = q.reshape(-1, layer.split[0]).reshape(-1, layer.num_heads, layer.head_dim)
             out = self.paged_decode(q, k_buffer, v_buffer, req_to_token, rows, seq_lens, layer.scaling)
-            hidden = layer.o_proj(out.view(-1, layer.split[0]))
+            hidden = layer.o_proj.call(out.view(-1, layer.split[0]))
             hidden, residual = ops.rms_norm(hidden, residual, layer.ln2, layer.eps2)
-            hidden = layer.down(ops.silu_and_mul(layer.gate_up(hidden)))
-        hidden, _ = model.model.norm(hidden, residual)
-        return model.logits_processor(hidden, model.lm_head, fb)
+            hidden = layer.down.call(ops.silu_and_mul(layer.gate_up.call(hidden)))
+        return hidden, residual

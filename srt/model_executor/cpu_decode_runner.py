@@ -98,6 +98,7 @@ class _Linear(NamedTuple):
 
 
 _PANELS, _AMX, _DENSE, _ONEDNN, _PLAIN, _ONEDNN_CAST = range(6)  # decode_layers.cpp's LinearKind
+_ANY_ROWS = 1 << 62  # a call with no row bound
 
 
 def _bind_linear(module: LinearBase, dtype: torch.dtype) -> _Linear:
@@ -111,20 +112,20 @@ def _bind_linear(module: LinearBase, dtype: torch.dtype) -> _Linear:
     n = module.output_size
     if packed is not None and packed.dim() == 5 and dtype == torch.bfloat16:  # AMX tiles (kernels/cpu/gemm.py)
         amx_linear = torch.ops.srt_cpu.amx_linear
-        return _Linear(lambda x: amx_linear(x, packed, bias, None), _AMX, packed, bias, n, 1 << 62)
+        return _Linear(lambda x: amx_linear(x, packed, bias, None), _AMX, packed, bias, n, _ANY_ROWS)
     if packed is not None and packed.dim() == 2 and not packed.is_mkldnn and dtype == torch.float32:  # dense fp32
         return _Linear(lambda x: dense_linear(x, packed, bias), _DENSE, packed, bias, n, DENSE_KERNEL_ROWS)
     if packed is not None and packed.is_mkldnn and packed.dtype == dtype:
         linear = torch.ops.mkldnn._linear_pointwise
-        return _Linear(lambda x: linear(x, packed, bias, "none", [], ""), _ONEDNN, packed, bias, n, 1 << 62)
+        return _Linear(lambda x: linear(x, packed, bias, "none", [], ""), _ONEDNN, packed, bias, n, _ANY_ROWS)
     call = lambda x: module.matmul(x, bias)  # noqa: E731
     if packed is None:
-        return _Linear(call, _PLAIN, module.weight, bias, n, 1 << 62)
+        return _Linear(call, _PLAIN, module.weight, bias, n, _ANY_ROWS)
     if packed.dim() == 3 and not packed.is_mkldnn:  # panels: packed_linear's op below its BLAS rows
         n = module.packed_out_features or packed.shape[0] * packed.shape[2]
         return _Linear(call, _PANELS, packed, bias, n, PANEL_DENSE_ROWS - 1)
     if packed.is_mkldnn:  # oneDNN's layout in another dtype (bf16 weights widened to fp32)
-        return _Linear(call, _ONEDNN_CAST, packed, bias, n, 1 << 62)
+        return _Linear(call, _ONEDNN_CAST, packed, bias, n, _ANY_ROWS)
     return _Linear(call)
 
 
@@ -213,8 +214,10 @@ class CpuDecodeRunner:
             logger.debug("Decode runs through the module tree: %s.", why)
             return None
         decode_runner = cls(runner)
-        logger.info("CPU decode runner: %d layers bound for decode (SRT_CPU_DECODE_RUNNER=0 runs decode "
-                    "through the module tree).", len(decode_runner.layers))
+        how = ("run as one C++ call, SRT_CPU_DECODE_LAYER_OP=0 runs them in Python" if decode_runner.use_layer_op
+               else f"run in Python: {decode_runner.why_no_layer_op}")
+        logger.info("CPU decode runner: %d layers bound for decode, %s (SRT_CPU_DECODE_RUNNER=0 runs decode "
+                    "through the module tree).", len(decode_runner.layers), how)
         return decode_runner
 
     @staticmethod

@@ -269,3 +269,35 @@ def test_layer_op_runs_unpacked_weights(llama_model, monkeypatch):
     for python, op in _python_and_op_logits(runner, prompts, steps=3):
         assert torch.equal(python, op)
     assert_pool_conserved(runner)
+
+
+def test_layer_op_refuses_arguments_that_do_not_fit(llama_model):
+    """decode_layers checks its per-layer lists before it runs anything: a clear error, no write."""
+    runner = make_runner(llama_model)
+    dr = runner.cpu_decode_runner
+    a = dr.layer_args
+    pool = runner.token_to_kv_pool
+    k0 = pool.k_buffer[0].clone()
+    hidden = torch.zeros(1, runner.model_config.hidden_size, device="cpu")
+    one = torch.ones(1, dtype=torch.int64, device="cpu")
+    rows = runner.req_to_token_pool.req_to_token
+
+    def call(**changes):
+        args = a._replace(**changes)
+        return torch.ops.srt_cpu.decode_layers(
+            hidden, one, one, rows, one * 0, one, pool.k_buffer, pool.v_buffer, args.layer_ids, args.norms,
+            args.eps, args.weights, args.biases, args.kinds, args.out_features, args.cos, args.sin, args.num_heads,
+            args.num_kv_heads, args.head_dim, args.scaling, args.kv_dtype)
+
+    with pytest.raises(RuntimeError, match="two norms and two eps per layer"):
+        call(eps=a.eps[:-1])
+    with pytest.raises(RuntimeError, match="four linears"):
+        call(kinds=a.kinds[:-1])
+    with pytest.raises(RuntimeError, match="unknown linear kind 9"):
+        call(kinds=a.kinds[:-1] + [9])
+    with pytest.raises(RuntimeError, match="one cos and one sin table per layer"):
+        call(sin=a.sin[:-1])
+    with pytest.raises(RuntimeError, match=f"layer id {len(pool.k_buffer)} has no KV buffer"):
+        call(layer_ids=a.layer_ids[:-1] + [len(pool.k_buffer)])
+    assert torch.equal(pool.k_buffer[0], k0)
+    assert_pool_conserved(runner)

@@ -120,6 +120,9 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
               "decode_layers: four linears (weight, bias, kind, out_features) per layer");
   TORCH_CHECK(static_cast<int64_t>(cos.size()) == layers && static_cast<int64_t>(sin.size()) == layers,
               "decode_layers: one cos and one sin table per layer");
+  for (int64_t kind : kinds) {
+    TORCH_CHECK(kind >= kPanels && kind <= kOneDnnCast, "decode_layers: unknown linear kind ", kind);
+  }
   for (int64_t id : layer_ids) {
     TORCH_CHECK(id >= 0 && id < static_cast<int64_t>(k_buffers.size()) && id < static_cast<int64_t>(v_buffers.size()),
                 "decode_layers: layer id ", id, " has no KV buffer");

@@ -15,9 +15,9 @@ from srt.model_executor.static_batch import StaticBatch
 from srt.models.llama import LlamaDecoderLayer
 
 
-def _module_and_runner_logits(runner, prompts, steps):
-    """Each decode step through the module forward and through the runner, on the same batch
-    (the step's K/V are written twice, with the same values, at the same slots)."""
+def _paired_logits(runner, prompts, steps, first, second):
+    """Each decode step's logits through `first(fb)` and `second(fb)` on the same batch (the step's
+    K/V are written twice, with the same values, at the same slots); the next token is first's."""
     batch = StaticBatch(runner, len(prompts))
     pairs = []
     try:
@@ -26,13 +26,18 @@ def _module_and_runner_logits(runner, prompts, steps):
             fb = batch.prepare_decode(nxt)
             runner.attn_backend.init_forward_metadata(fb)
             with torch.inference_mode():
-                modules = runner.model.forward(fb.input_ids, fb.positions, fb).next_token_logits
-                flat = runner.cpu_decode_runner.forward(fb).next_token_logits
-            pairs.append((modules, flat))
-            nxt = modules.argmax(-1)
+                pairs.append((first(fb), second(fb)))
+            nxt = pairs[-1][0].argmax(-1)
     finally:
         batch.release()
     return pairs
+
+
+def _module_and_runner_logits(runner, prompts, steps):
+    """Each decode step through the module forward and through the runner."""
+    return _paired_logits(runner, prompts, steps,
+                          lambda fb: runner.model.forward(fb.input_ids, fb.positions, fb).next_token_logits,
+                          lambda fb: runner.cpu_decode_runner.forward(fb).next_token_logits)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
@@ -151,26 +156,17 @@ def test_runner_follows_the_kv_buffers_a_cache_flush_replaces(llama_model):
 
 def _python_and_op_logits(runner, prompts, steps):
     """Each decode step through the runner's Python layer loop and through decode_layers (the C++
-    loop), on the same batch (K/V written twice, the same values at the same slots)."""
+    loop)."""
     dr = runner.cpu_decode_runner
-    batch = StaticBatch(runner, len(prompts))
-    pairs = []
+
+    def step(fb, use_layer_op):
+        dr.use_layer_op = use_layer_op
+        return dr.forward(fb).next_token_logits
+
     try:
-        nxt = batch.extend(prompts).next_token_logits.argmax(-1)
-        for _ in range(steps):
-            fb = batch.prepare_decode(nxt)
-            runner.attn_backend.init_forward_metadata(fb)
-            with torch.inference_mode():
-                dr.use_layer_op = False
-                python = dr.forward(fb).next_token_logits
-                dr.use_layer_op = True
-                op = dr.forward(fb).next_token_logits
-            pairs.append((python, op))
-            nxt = op.argmax(-1)
+        return _paired_logits(runner, prompts, steps, lambda fb: step(fb, False), lambda fb: step(fb, True))
     finally:
         dr.use_layer_op = dr.why_no_layer_op is None
-        batch.release()
-    return pairs
 
 
 @pytest.mark.parametrize("arch,dtype,kv", [("llama", "float32", "auto"), ("llama", "bfloat16", "auto"),

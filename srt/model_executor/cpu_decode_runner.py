@@ -246,17 +246,15 @@ class CpuDecodeRunner:
 
     def forward(self, fb: "ForwardBatch") -> LogitsProcessorOutput:
         """The decode forward of `LlamaForCausalLM`, op for op (the backend's metadata is set)."""
-        ops, model = self.ops, self.model
-        positions, loc = fb.positions, fb.out_cache_loc
-        req_to_token, rows, seq_lens = fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens
-        k_buffers, v_buffers = fb.token_to_kv_pool.k_buffer, fb.token_to_kv_pool.v_buffer
+        model = self.model
         hidden = model.model.embed_tokens(fb.input_ids)
         a = self.layer_args
         if a is not None and self.use_layer_op and hidden.shape[0] <= self.layer_op_rows:
-            hidden, residual = ops.decode_layers(
-                hidden, positions, loc, req_to_token, rows, seq_lens, k_buffers, v_buffers, a.layer_ids, a.norms,
-                a.eps, a.weights, a.biases, a.kinds, a.out_features, a.cos, a.sin, a.num_heads, a.num_kv_heads,
-                a.head_dim, a.scaling, a.kv_dtype)
+            pool = fb.token_to_kv_pool
+            hidden, residual = self.ops.decode_layers(
+                hidden, fb.positions, fb.out_cache_loc, fb.req_to_token_pool.req_to_token, fb.req_pool_indices,
+                fb.seq_lens, pool.k_buffer, pool.v_buffer, a.layer_ids, a.norms, a.eps, a.weights, a.biases, a.kinds,
+                a.out_features, a.cos, a.sin, a.num_heads, a.num_kv_heads, a.head_dim, a.scaling, a.kv_dtype)
         else:
             hidden, residual = self._layers(fb, hidden)
         hidden, _ = model.model.norm(hidden, residual)

@@ -32,29 +32,21 @@ c10::TypedOperatorHandle<Fn> op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
 }
 
+using T = at::Tensor;
+using NormFn = std::tuple<T, T>(const T&, const OptTensor&, const T&, double);
+using RopeFn = std::tuple<T, T>(const T&, const T&, const T&, const T&, const T&);
+using StoreFn = void(const T&, const T&, const T&, const T&, const T&);
+using UnaryFn = T(const T&);
+using DecodeFn = T(const T&, const T&, const T&, const T&, const T&, const T&, double, bool, bool);
+using PanelsFn = T(const T&, const T&, const OptTensor&, int64_t, std::optional<at::ScalarType>);
+
 struct Ops {
-  c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const OptTensor&, const at::Tensor&,
-                                                              double)>
-      rms_norm = op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const OptTensor&, const at::Tensor&, double)>(
-          "srt_cpu::rms_norm");
-  c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                              const at::Tensor&, const at::Tensor&)>
-      rotary = op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                     const at::Tensor&, const at::Tensor&)>("srt_cpu::rotary_embedding");
-  c10::TypedOperatorHandle<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                const at::Tensor&)>
-      store_kv = op<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>(
-          "srt_cpu::store_kv");
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_and_mul =
-      op<at::Tensor(const at::Tensor&)>("srt_cpu::silu_and_mul");
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                      const at::Tensor&, const at::Tensor&, double, bool, bool)>
-      decode = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                             const at::Tensor&, const at::Tensor&, double, bool, bool)>("srt_cpu::paged_decode_attention");
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, int64_t,
-                                      std::optional<at::ScalarType>)>
-      panels = op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, int64_t,
-                             std::optional<at::ScalarType>)>("srt_cpu::weight_packed_linear");
+  c10::TypedOperatorHandle<NormFn> rms_norm = op<NormFn>("srt_cpu::rms_norm");
+  c10::TypedOperatorHandle<RopeFn> rotary = op<RopeFn>("srt_cpu::rotary_embedding");
+  c10::TypedOperatorHandle<StoreFn> store_kv = op<StoreFn>("srt_cpu::store_kv");
+  c10::TypedOperatorHandle<UnaryFn> silu_and_mul = op<UnaryFn>("srt_cpu::silu_and_mul");
+  c10::TypedOperatorHandle<DecodeFn> decode = op<DecodeFn>("srt_cpu::paged_decode_attention");
+  c10::TypedOperatorHandle<PanelsFn> panels = op<PanelsFn>("srt_cpu::weight_packed_linear");
 };
 
 // Ops that only some builds or CPUs have are looked up on first use.

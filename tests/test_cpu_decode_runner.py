@@ -277,6 +277,8 @@ def test_layer_op_refuses_arguments_that_do_not_fit(llama_model):
     hidden = torch.zeros(1, runner.model_config.hidden_size, device="cpu")
     one = torch.ones(1, dtype=torch.int64, device="cpu")
     rows = runner.req_to_token_pool.req_to_token
+    n = len(a.layer_ids)
+    assert len(pool.k_buffer) == len(pool.v_buffer) == n
 
     def call(**changes):
         args = a._replace(**changes)
@@ -285,15 +287,17 @@ def test_layer_op_refuses_arguments_that_do_not_fit(llama_model):
             args.eps, args.weights, args.biases, args.kinds, args.out_features, args.cos, args.sin, args.num_heads,
             args.num_kv_heads, args.head_dim, args.scaling, args.kv_dtype)
 
-    with pytest.raises(RuntimeError, match="two norms and two eps per layer"):
+    norms = f"two norms and two eps per layer: {n} layers need {2 * n}, got {2 * n} norms and {2 * n - 1} eps"
+    with pytest.raises(RuntimeError, match=norms):
         call(eps=a.eps[:-1])
-    with pytest.raises(RuntimeError, match="four linears"):
+    linears = rf"four linears .* {n} layers need {4 * n} of each, got {4 * n}, {4 * n}, {4 * n - 1}, {4 * n}"
+    with pytest.raises(RuntimeError, match=linears):
         call(kinds=a.kinds[:-1])
-    with pytest.raises(RuntimeError, match="unknown linear kind 9"):
+    with pytest.raises(RuntimeError, match=r"unknown linear kind 9 \(kinds are 0 to 5\)"):
         call(kinds=a.kinds[:-1] + [9])
-    with pytest.raises(RuntimeError, match="one cos and one sin table per layer"):
+    with pytest.raises(RuntimeError, match=f"one cos and one sin table per layer: {n} layers, got {n} and {n - 1}"):
         call(sin=a.sin[:-1])
-    with pytest.raises(RuntimeError, match=f"layer id {len(pool.k_buffer)} has no KV buffer"):
-        call(layer_ids=a.layer_ids[:-1] + [len(pool.k_buffer)])
+    with pytest.raises(RuntimeError, match=rf"layer id {n} has no KV buffer \({n} K and {n} V buffers\)"):
+        call(layer_ids=a.layer_ids[:-1] + [n])
     assert torch.equal(pool.k_buffer[0], k0)
     assert_pool_conserved(runner)

@@ -105,19 +105,25 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     int64_t num_kv_heads, int64_t head_dim, double scaling, std::optional<at::ScalarType> kv_dtype) {
   const int64_t layers = static_cast<int64_t>(layer_ids.size());
   TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * layers && static_cast<int64_t>(eps.size()) == 2 * layers,
-              "decode_layers: two norms and two eps per layer");
+              "decode_layers: two norms and two eps per layer: ", layers, " layers need ", 2 * layers, ", got ",
+              norms.size(), " norms and ", eps.size(), " eps");
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == 4 * layers && static_cast<int64_t>(biases.size()) == 4 * layers &&
                   static_cast<int64_t>(kinds.size()) == 4 * layers &&
                   static_cast<int64_t>(out_features.size()) == 4 * layers,
-              "decode_layers: four linears (weight, bias, kind, out_features) per layer");
+              "decode_layers: four linears (weight, bias, kind, out_features) per layer: ", layers, " layers need ",
+              4 * layers, " of each, got ", weights.size(), ", ", biases.size(), ", ", kinds.size(), ", ",
+              out_features.size());
   TORCH_CHECK(static_cast<int64_t>(cos.size()) == layers && static_cast<int64_t>(sin.size()) == layers,
-              "decode_layers: one cos and one sin table per layer");
+              "decode_layers: one cos and one sin table per layer: ", layers, " layers, got ", cos.size(), " and ",
+              sin.size());
   for (int64_t kind : kinds) {
-    TORCH_CHECK(kind >= kPanels && kind <= kOneDnnCast, "decode_layers: unknown linear kind ", kind);
+    TORCH_CHECK(kind >= kPanels && kind <= kOneDnnCast, "decode_layers: unknown linear kind ", kind,
+                " (kinds are ", static_cast<int64_t>(kPanels), " to ", static_cast<int64_t>(kOneDnnCast), ")");
   }
   for (int64_t id : layer_ids) {
     TORCH_CHECK(id >= 0 && id < static_cast<int64_t>(k_buffers.size()) && id < static_cast<int64_t>(v_buffers.size()),
-                "decode_layers: layer id ", id, " has no KV buffer");
+                "decode_layers: layer id ", id, " has no KV buffer (",
+                k_buffers.size(), " K and ", v_buffers.size(), " V buffers)");
   }
   const Ops& o = ops();
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu.gemm import load_amx_ops, load_dense_ops, load_gemm_ops, panel_width
+from kernels.cpu.gemm import load_amx_ops, load_dense_ops, load_gemm_ops, panel_columns, panel_width
 from srt.layers.cpu_weight_packing import pack_weight, packed_linear
 
 pytestmark = pytest.mark.skipif(not load_gemm_ops(), reason="the C++ CPU kernels cannot build here")
@@ -31,7 +31,22 @@ def test_panels_hold_the_weight_columns_in_order_and_zeros_past_the_end():
     assert torch.count_nonzero(flat[37:]) == 0
 
 
-@pytest.mark.parametrize("rows", [0, 1, 5, 6, 7, 16, 47, 48, 49, 97, 193, 300])
+def test_bf16_panels_hold_column_pairs():
+    """A bf16 panel's k row is W / 2 pairs: word j holds column j (low half), column j + W / 2 (high)."""
+    w = torch.arange(37 * 5, dtype=F32).view(37, 5).bfloat16()  # integers < 256: exact in bf16
+    panels = ops.convert_weight_packed(w)
+    width = panel_width()
+    assert panels.dtype == BF16 and panels.shape == (-(-37 // width), 5, width)
+    half = width // 2
+    for n in range(37):
+        p, j = divmod(n, width)
+        slot = 2 * j if j < half else 2 * (j - half) + 1
+        assert torch.equal(panels[p, :, slot], w[n])
+        assert torch.equal(panel_columns(panels)[p, :, j], w[n])
+    assert torch.count_nonzero(panel_columns(panels).permute(0, 2, 1).reshape(-1, 5)[37:]) == 0
+
+
+@pytest.mark.parametrize("rows", [0, 1, 5, 6, 7, 16, 18, 19, 47, 48, 49, 97, 193, 300])
 @pytest.mark.parametrize("w_dtype", [F32, BF16], ids=["w_fp32", "w_bf16"])
 @pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
 def test_equals_float64_linear(rows, w_dtype, bias):

@@ -7,6 +7,8 @@ decode-sized matmuls are slow; srt/layers/cpu_weight_packing.py decides when the
 
 W (`panel_width()`) is two vectors of floats: 16 with AVX2, 32 with AVX-512. fp32 or bf16 weights,
 x and output (bf16 weights are widened in registers), fp32 accumulation, one rounding of the output.
+A bf16 panel's k row holds its W columns as W / 2 pairs (column j, column j + W / 2), which the
+kernel widens with a shift and a mask; `panel_columns` undoes that order.
 
 bf16 on AMX tiles (csrc/amx_gemm.cpp), where the build and the CPU have them (`load_amx_ops()`):
 
@@ -84,6 +86,15 @@ def _amx_linear_fake(x, packed, bias, out_dtype):
 def panel_width() -> int:
     """Output columns per panel in this build (a weight's rows are padded to a multiple of it)."""
     return int(torch.ops.srt_cpu.convert_weight_packed(torch.zeros(1, 1, device="cpu")).shape[2])
+
+
+def panel_columns(panels: torch.Tensor) -> torch.Tensor:
+    """`convert_weight_packed`'s panels [P, K, W] with each k row's columns in order (bf16 panels
+    store them as pairs (j, j + W / 2)); fp32 panels as they are."""
+    if panels.dtype != torch.bfloat16:
+        return panels
+    p, k, w = panels.shape
+    return panels.view(p, k, w // 2, 2).transpose(2, 3).reshape(p, k, w)
 
 
 def _convert_weight_packed_fake(weight):

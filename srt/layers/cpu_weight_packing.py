@@ -69,12 +69,15 @@ GEMM_CHOICES = ("auto", "srt", "onednn", "amx", "dense")
 # the two were even on llama-26m's layer matmuls and the kernel 1.2x on SmolLM2's; the LM head of
 # 49,152 rows ran 1.5x faster on the kernel at 16 rows and 1.14x at 64.
 DENSE_KERNEL_ROWS = 64
-# Panels, prefill-sized inputs: the panel kernel re-reads the weights for every 96-row block and ran
-# matmuls of a few hundred rows and more at 75-95% of oneDNN's speed, so from this many rows the
-# weight is laid back out as dense fp32 [in, out] for the call (a copy of its bytes) and BLAS runs it.
-# Below it the copy costs more than it saves: a SmolLM2 prefill of one 128-token request took 326 ms
-# on the panel kernel and 489 ms through the copy (256 tokens: 598 vs 678 ms; 512: 1373 vs 1227 ms).
-PANEL_DENSE_ROWS = 512
+# Panels, prefill-sized inputs: from this many rows the weight is laid back out as dense fp32
+# [in, out] for the call (a copy of its bytes) and BLAS runs it; below it the copy costs more than
+# it saves. The panel kernel re-reads the weights for every 96-row block. At 512 when it ran
+# matmuls of a few hundred rows at 75-95% of oneDNN's speed (a SmolLM2 prefill of 512 tokens: 1373
+# ms on the panels, 1227 through the copy). After the bf16 pair layout and the prefetch template
+# (Zen 3, every layer's matmuls, panels / copy + BLAS in turns, fp32 and bf16 weights), the copy
+# lost at 512 rows (SmolLM2 1.08x / 1.04x, llama-26m 1.24x / 1.19x) and at 1,024 tied (1.08x / 1.01x,
+# 1.13x / 0.95x), and tied at 2,048 (0.99-1.04x).
+PANEL_DENSE_ROWS = 1024
 # ... in slabs of at most this many fp32 values, so the copy stays small for any model.
 PANEL_DENSE_SLAB = 1 << 24
 # oneDNN picks its blocking for this many rows; any row count runs on the packed weight.

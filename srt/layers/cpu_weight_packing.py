@@ -75,9 +75,10 @@ DENSE_KERNEL_ROWS = 64
 # matmuls of a few hundred rows at 75-95% of oneDNN's speed (a SmolLM2 prefill of 512 tokens: 1373
 # ms on the panels, 1227 through the copy). After the bf16 pair layout and the prefetch template
 # (Zen 3, every layer's matmuls, panels / copy + BLAS in turns, fp32 and bf16 weights), the copy
-# lost at 512 rows (SmolLM2 1.08x / 1.04x, llama-26m 1.24x / 1.19x) and at 1,024 tied (1.08x / 1.01x,
-# 1.13x / 0.95x), and tied at 2,048 (0.99-1.04x).
-PANEL_DENSE_ROWS = 1024
+# lost at 512 rows (SmolLM2 1.08x / 1.04x, llama-26m 1.24x / 1.19x) and at 1,024 (SmolLM2 1.05x /
+# 1.04x, llama-26m 1.09x / 1.00x; an earlier run 1.08x / 1.01x, 1.13x / 0.95x), and tied at 1,536
+# and 2,048 (0.96-1.04x). So the panels take every chunk of the CPU's default prefill chunk (1,024).
+PANEL_DENSE_ROWS = 2048
 # ... in slabs of at most this many fp32 values, so the copy stays small for any model.
 PANEL_DENSE_SLAB = 1 << 24
 # oneDNN picks its blocking for this many rows; any row count runs on the packed weight.

@@ -77,7 +77,9 @@ DENSE_KERNEL_ROWS = 64
 # (Zen 3, every layer's matmuls, panels / copy + BLAS in turns, fp32 and bf16 weights), the copy
 # lost at 512 rows (SmolLM2 1.08x / 1.04x, llama-26m 1.24x / 1.19x) and at 1,024 (SmolLM2 1.05x /
 # 1.04x, llama-26m 1.09x / 1.00x; an earlier run 1.08x / 1.01x, 1.13x / 0.95x), and tied at 1,536
-# and 2,048 (0.96-1.04x). So the panels take every chunk of the CPU's default prefill chunk (1,024).
+# and 2,048 (0.96-1.04x). Whole SmolLM2 prefills, both ways in turns on one runner: 4 x 256, 2 x 512
+# and 1 x 1,024 tokens 0.98-1.04x (fp32) and 0.95-1.05x (bf16) on the panels, a tie. So the panels
+# take every chunk of the CPU's default prefill chunk (1,024) and skip the copy's allocation.
 PANEL_DENSE_ROWS = 2048
 # ... in slabs of at most this many fp32 values, so the copy stays small for any model.
 PANEL_DENSE_SLAB = 1 << 24

@@ -33,7 +33,7 @@ def test_panels_hold_the_weight_columns_in_order_and_zeros_past_the_end():
 
 def test_bf16_panels_hold_column_pairs():
     """A bf16 panel's k row is W / 2 pairs: word j holds column j (low half), column j + W / 2 (high)."""
-    w = torch.arange(37 * 5, dtype=F32).view(37, 5).bfloat16()  # integers < 256: exact in bf16
+    w = torch.arange(37 * 5, dtype=F32, device="cpu").view(37, 5).bfloat16()  # integers < 256: exact in bf16
     panels = ops.convert_weight_packed(w)
     width = panel_width()
     assert panels.dtype == BF16 and panels.shape == (-(-37 // width), 5, width)

@@ -144,7 +144,7 @@ inline void chunk_tiles_bf16(const float* x, int64_t rows, int64_t K, const c10:
   for (int64_t i = 0; i < n * kPanel; i += kPanel) {
     __builtin_prefetch(w_rows + i + kPrefetchRows * kPanel, 0, 3);
     vfloat b0, b1;
-    widen_pairs(w_rows + i, b0, b1);
+    load_row(w_rows + i, b0, b1);
     vstore(wide + i, b0);
     vstore(wide + i + kLanes, b1);
   }

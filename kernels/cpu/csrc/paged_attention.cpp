@@ -123,14 +123,26 @@ struct Decode {
     }
   }
 
-  // Software prefetch of the rows of n slots in `buffer` (every kv head's elements, as far as the
-  // last head's end), one request per cache line.
-  void prefetch_rows(const kv_t* buffer, int64_t s0, const int64_t* slot, int64_t n) const {
-    const int64_t s1 = buffer == k ? k_s1 : v_s1;
-    const int64_t bytes = ((num_kv_heads - 1) * s1 + dim) * static_cast<int64_t>(sizeof(kv_t));
-    for (int64_t j = 0; j < n; ++j) {
-      const char* row = reinterpret_cast<const char*>(buffer + slot[j] * s0);
-      for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b, 0, 3);
+  // Read one byte of every cache line of the K and V rows (every kv head's elements, as far as
+  // the last head's end) of the keys [first, first + kBlockTokens) of `slots`, clipped at `end`:
+  // the block after the one being computed, so that its rows come from memory while this one is.
+  // Plain loads, not prefetch instructions: on an AVX2-only Zen 3 (a VM, 4 KiB pages) software
+  // prefetches of the next block, into L1 or L2, one or two blocks ahead, changed nothing
+  // (0.96-1.00x), where these loads made the op 1.26-1.37x (fp32) and 1.53-1.55x (bf16) as fast
+  // at 16 x 410 and 16 x 1,100 tokens with the rows in memory, 30 layers in turn (a prefetch whose
+  // page is not in the TLB may be dropped; a load walks the page table). Rows already in the
+  // caches pay for the loads (0.80-0.83x with one layer's rows in L3), which a decode step, whose
+  // weights pass through the caches between two layers' attention, does not meet.
+  void touch_rows(const int32_t* slots, int64_t first, int64_t end) const {
+    const int64_t k_bytes = ((num_kv_heads - 1) * k_s1 + dim) * static_cast<int64_t>(sizeof(kv_t));
+    const int64_t v_bytes = ((num_kv_heads - 1) * v_s1 + dim) * static_cast<int64_t>(sizeof(kv_t));
+    for (int64_t j = first; j < std::min(first + kBlockTokens, end); ++j) {
+      const int64_t slot = slots[j];
+      if (slot < 0 || slot >= num_slots) continue;  // lookup_slots flags it
+      const volatile char* k_row = reinterpret_cast<const volatile char*>(k + slot * k_s0);
+      const volatile char* v_row = reinterpret_cast<const volatile char*>(v + slot * v_s0);
+      for (int64_t b = 0; b < k_bytes; b += 64) static_cast<void>(k_row[b]);
+      for (int64_t b = 0; b < v_bytes; b += 64) static_cast<void>(v_row[b]);
     }
   }
 
@@ -184,13 +196,11 @@ struct Decode {
     }
     // Every member's slots in [begin, end) are the same: read them through the first one's row.
     const int32_t* slots = req_to_token + rows[members[0].b] * r2t_s0;
+    touch_rows(slots, t.begin, t.end);
     for (int64_t start = t.begin; start < t.end; start += kBlockTokens) {
       const int64_t n = std::min(kBlockTokens, t.end - start);
+      touch_rows(slots, start + kBlockTokens, t.end);
       lookup_slots(slots, start, n, s);
-      // fp32 KV: ask for the block's V rows before scoring it, so that they arrive while the
-      // scores are computed (1.07-1.08x the op at 16 x 300 tokens, where they come from memory;
-      // bf16 rows gained nothing).
-      if constexpr (std::is_same_v<kv_t, float>) prefetch_rows(v, v_s0, s.slot.data(), n);
       for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
         const int64_t h0 = kv_head * group;
         const int64_t query_rows = point_queries(h0, t.count, s);

@@ -170,11 +170,11 @@ inline void score_rows_direct(const float* const* q, const kv_t* const* keys, fl
 #elif defined(__AVX2__) && defined(__FMA__)
 #define SRT_CPU_DIRECT_SCORES 1
 constexpr int64_t kDirectScoreDim = 8;
-// fp32 K rows only: bf16 rows are widened once per query row here, and with the query rows of
-// a shared prefix (16 requests x 2) that made the op 1.6x slower than widening them once into
-// the transposed block (alone, 2 rows, it was 1.25x faster). The choice must not depend on the
-// rows of a task, so that a request's bits do not depend on the requests that share its prefix.
-constexpr bool kDirectScoresBf16 = false;
+// bf16 K rows too, through score_keys4: each K vector is widened once for three query rows. (One
+// widening per query row, as in the fp32 form, made the op 1.6x slower than the transposed block
+// with a shared prefix's query rows, 16 requests x 2.) Either way the choice must not depend on
+// the rows of a task, so that a request's bits do not depend on the requests that share its prefix.
+constexpr bool kDirectScoresBf16 = true;
 
 // Lane i = the sum of a[i]'s eight lanes (three rounds of pairwise adds, the same for every row).
 inline __m256 sum_lanes8(const __m256 a[8]) {
@@ -185,12 +185,56 @@ inline __m256 sum_lanes8(const __m256 a[8]) {
   return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20), _mm256_permute2f128_ps(h0123, h4567, 0x31));
 }
 
-// AVX2 form of the above: per row and eight keys, eight independent FMA chains over the head
-// dim's 8-lane vectors, then sum_lanes8. Where a kv head has two query rows (decode), the
-// transposed copy of each block cost more than the products. Lanes past n score 0. `dim` a
+// R <= 3 query rows against four bf16 keys k[0..3] (scores to out[r][j, j + 4)): each K vector
+// widened once for the R rows, 4 x R accumulators. A score's lane l sums q[d] * k[d] over the
+// head dim's d = l (mod 8) in order, then the lanes are added as sum_lanes8 adds them: the same
+// bits whatever R and whatever keys or rows are beside it.
+template <int R>
+inline void score_keys4(const float* const* q, const c10::BFloat16* const* k, float* const* out, int64_t j,
+                        int64_t dim) {
+  __m256 a[R][4];
+  for (int64_t d = 0; d < dim; d += 8) {
+    __m256 kv[4];
+    for (int i = 0; i < 4; ++i) kv[i] = (__m256)vload(k[i] + d);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m256 qd = _mm256_loadu_ps(q[r] + d);
+      for (int i = 0; i < 4; ++i) a[r][i] = d == 0 ? _mm256_mul_ps(qd, kv[i]) : _mm256_fmadd_ps(qd, kv[i], a[r][i]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[r][0], a[r][1]), _mm256_hadd_ps(a[r][2], a[r][3]));
+    _mm_storeu_ps(out[r] + j, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+  }
+}
+
+// bf16 K rows: four keys at a time, the query rows three at a time. On the Zen 3 (AVX2) with
+// SmolLM2's shapes (3 query rows a kv head), the op against the transposed block: 1.22-1.31x at
+// 16 x 410 tokens, 1.08-1.11x with two groups of 8 requests sharing their first 346 slots.
+inline void score_rows_direct(const float* const* q, const c10::BFloat16* const* keys, float* const* out,
+                              int64_t rows, int64_t n, int64_t dim) {
+  static_assert(kBlockTokens % 4 == 0, "whole groups of four keys");
+  for (int64_t j = 0; j < kBlockTokens; j += 4) {
+    if (j >= n) {
+      for (int64_t r = 0; r < rows; ++r) _mm_storeu_ps(out[r] + j, _mm_setzero_ps());
+      continue;
+    }
+    const c10::BFloat16* k[4];
+    for (int i = 0; i < 4; ++i) k[i] = keys[j + i < n ? j + i : 0];  // past n: any valid row, cleared below
+    int64_t r = 0;
+    for (; r + 3 <= rows; r += 3) score_keys4<3>(q + r, k, out + r, j, dim);
+    if (rows - r == 2) score_keys4<2>(q + r, k, out + r, j, dim);
+    if (rows - r == 1) score_keys4<1>(q + r, k, out + r, j, dim);
+    for (int64_t row = 0; n - j < 4 && row < rows; ++row) std::fill(out[row] + n, out[row] + j + 4, 0.0f);
+  }
+}
+
+// AVX2 form of the above for fp32 K rows: per row and eight keys, eight independent FMA chains
+// over the head dim's 8-lane vectors, then sum_lanes8 (the same bits as score_keys4's). Where a
+// kv head has two query rows (decode), the transposed copy of each block cost more than the
+// products; score_keys4's shape was 0.96-0.98x this one for fp32. Lanes past n score 0. `dim` a
 // multiple of 8.
-template <typename kv_t>
-inline void score_rows_direct(const float* const* q, const kv_t* const* keys, float* const* out, int64_t rows,
+inline void score_rows_direct(const float* const* q, const float* const* keys, float* const* out, int64_t rows,
                               int64_t n, int64_t dim) {
   static_assert(kBlockTokens % 8 == 0, "whole groups of eight keys");
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -199,7 +243,7 @@ inline void score_rows_direct(const float* const* q, const kv_t* const* keys, fl
       for (int64_t r = 0; r < rows; ++r) _mm256_storeu_ps(out[r] + j0, _mm256_setzero_ps());
       continue;
     }
-    const kv_t* k[8];
+    const float* k[8];
     for (int i = 0; i < 8; ++i) k[i] = keys[j0 + i < n ? j0 + i : 0];  // past n: any valid row, cleared below
     const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - j0)), lane));
     for (int64_t r = 0; r < rows; ++r) {
@@ -278,8 +322,11 @@ inline void value_tile(const float* const* p, const v_t* const* v, float* const*
 // the head dim at a time, then single vectors, then a scalar tail.
 template <int R, typename v_t>
 inline void value_rows_of(const float* const* p, const v_t* const* v, float* const* acc, int64_t n, int64_t dim) {
+  // Vectors of the head dim per tile: four, or two where R x 4 accumulators, four values and a
+  // broadcast would not fit AVX2's 16 registers.
+  constexpr int W = kLanes == 8 && R * 4 + 5 > 16 ? 2 : 4;
   int64_t d0 = 0;
-  for (; d0 + 4 * kLanes <= dim; d0 += 4 * kLanes) value_tile<R, 4, v_t>(p, v, acc, n, d0);
+  for (; d0 + W * kLanes <= dim; d0 += W * kLanes) value_tile<R, W, v_t>(p, v, acc, n, d0);
   for (; d0 + kLanes <= dim; d0 += kLanes) value_tile<R, 1, v_t>(p, v, acc, n, d0);
   for (; d0 < dim; ++d0) {
     for (int r = 0; r < R; ++r) {
@@ -296,6 +343,9 @@ inline void value_rows(const float* const* p, const v_t* const* v, float* const*
   int64_t r = 0;
   if constexpr (kLanes == 16) {  // 4 x 4 accumulators: each value vector loaded once per 4 rows
     for (; r + 4 <= rows; r += 4) value_rows_of<4>(p + r, v, acc + r, n, dim);
+  }
+  if constexpr (kLanes == 8) {  // a group of three (SmolLM2): the op 1.13-1.16x with bf16 V, 1.03x fp32
+    for (; r + 3 <= rows; r += 3) value_rows_of<3>(p + r, v, acc + r, n, dim);
   }
   for (; r + 2 <= rows; r += 2) value_rows_of<2>(p + r, v, acc + r, n, dim);
   for (; r < rows; ++r) value_rows_of<1>(p + r, v, acc + r, n, dim);

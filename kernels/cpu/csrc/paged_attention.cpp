@@ -214,10 +214,10 @@ struct Decode {
   }
 
   // The block's scores of kv head `kv_head`'s query rows. With AVX-512 or AVX2 + FMA and a head
-  // dim of whole vectors, the scaled fp32 queries against the K rows (fp32, or bf16 widened as they
-  // are read) in place (score_rows_direct); else the K rows transposed as fp32 tiles first. bf16 dot: the K rows transposed by pairs of
-  // the head dim (half the bytes) and scored with vdpbf16ps against the bf16 queries, the scale
-  // applied to the fp32 dot product (bf16_dot_tiles.h).
+  // dim of whole vectors, the scaled fp32 queries against the K rows in place, fp32 or bf16
+  // widened as they are read (score_rows_direct); else the K rows transposed as fp32 tiles first.
+  // bf16 dot: the K rows transposed by pairs of the head dim (half the bytes) and scored with
+  // vdpbf16ps against the bf16 queries, the scale applied to the fp32 dot product (bf16_dot_tiles.h).
   void score_block(int64_t kv_head, int64_t query_rows, int64_t n, Scratch& s, bool bf16_dot) const {
 #if defined(SRT_CPU_BF16_DOT)
     if constexpr (std::is_same_v<q_t, c10::BFloat16> && std::is_same_v<kv_t, c10::BFloat16>) {

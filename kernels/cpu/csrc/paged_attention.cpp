@@ -128,7 +128,7 @@ struct Decode {
   // the block after the one being computed, so that its rows come from memory while this one is.
   // Plain loads, not prefetch instructions: on an AVX2-only Zen 3 (a VM, 4 KiB pages) software
   // prefetches of the next block, into L1 or L2, one or two blocks ahead, changed nothing
-  // (0.96-1.00x), where these loads made the op 1.26-1.37x (fp32) and 1.53-1.55x (bf16) as fast
+  // (0.96-1.01x), where these loads made the op 1.26-1.37x (fp32) and 1.53-1.55x (bf16) as fast
   // at 16 x 410 and 16 x 1,100 tokens with the rows in memory, 30 layers in turn (a prefetch whose
   // page is not in the TLB may be dropped; a load walks the page table). Rows already in the
   // caches pay for the loads (0.80-0.83x with one layer's rows in L3), which a decode step, whose

@@ -162,7 +162,7 @@ def fma_peak_gflops(threads: int, iters: int = 50_000_000, repeats: int = 5) -> 
         return max(fn(iters, threads) for _ in range(repeats))
 
 
-def gemm_gflops(n: int = 2048, repeats: int = 5) -> float:
+def gemm_gflops(n: int = 2048, repeats: int = 10) -> float:
     """torch.mm of two fp32 n x n matrices, the best of `repeats`."""
     a, b = torch.randn(n, n), torch.randn(n, n)
     torch.mm(a, b)

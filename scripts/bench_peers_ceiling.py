@@ -209,6 +209,8 @@ def ceiling_rows(shape: ModelShape, rates: Dict[Tuple[str, str, str], List[float
         if server == "ours" or (workload, dtype, "ours") not in rates:
             continue
         prefill, decode, new, out = run_flops(shape, our_records(log_dir, workload, dtype))
+        if not out:
+            raise ValueError(f"ours wrote no tokens in {workload} / {dtype} ({log_dir}): no ceiling to compare")
         ceiling = out / ((prefill + decode) / (peak * 1e9))
         ours_rounds, peer_rounds = rates[(workload, dtype, "ours")], rates[(workload, dtype, server)]
         ours, peer = statistics.median(ours_rounds), statistics.median(peer_rounds)

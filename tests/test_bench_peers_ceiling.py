@@ -126,6 +126,14 @@ def test_missing_request_log_names_the_file(bc, tmp_path):
         bc.our_records(tmp_path, "multi-turn", "bf16")
 
 
+def test_a_run_without_tokens_of_ours_is_refused_by_name(bc, tmp_path):
+    rates = {("random", "bf16", "ours"): [1.0], ("random", "bf16", "llama.cpp"): [1.0]}
+    failed = {"success": False, "prompt_tokens": 5, "cached_tokens": 0, "output_tokens": 0}
+    (tmp_path / "ours-bf16-random.requests.jsonl").write_text(json.dumps(failed) + "\n")
+    with pytest.raises(ValueError, match=r"ours wrote no tokens in random / bf16"):
+        bc.ceiling_rows(unit_shape(bc), rates, tmp_path, peak=1.0, gemm=1.0)
+
+
 def test_targets_are_the_issues(bc):
     assert bc.target("llama.cpp", "random") == 1.5
     assert bc.target("llama.cpp", "multi-turn") == bc.target("llama.cpp", "generated-shared-prefix") == 3.0

@@ -51,7 +51,7 @@ def test_a_request_costs_what_hf_computes(bc, hf_llama):
     script counts only the keys a token attends to."""
     shape = bc.ModelShape.from_config(hf_llama.config.to_dict())
     prompt, cached, output = 11, 4, 5
-    ids = torch.randint(0, 97, (1, prompt + output))
+    ids = torch.randint(0, 97, (1, prompt + output), device="cpu")
     cache = DynamicCache(config=hf_llama.config)
     with torch.no_grad():
         hf_llama(ids[:, :cached], past_key_values=cache, use_cache=True)
@@ -67,7 +67,7 @@ def test_one_decode_step_matches_hf_at_several_positions(bc, hf_llama):
     shape = bc.ModelShape.from_config(hf_llama.config.to_dict())
     for position in (1, 7, 30):
         cache = DynamicCache(config=hf_llama.config)
-        ids = torch.randint(0, 97, (1, position + 1))
+        ids = torch.randint(0, 97, (1, position + 1), device="cpu")
         with torch.no_grad():
             hf_llama(ids[:, :position], past_key_values=cache, use_cache=True)
         step = counted(lambda: hf_llama(ids[:, position:], past_key_values=cache, use_cache=True))

@@ -9,9 +9,7 @@ convention: a build that fails fails these tests with the cause; only SRT_SKIP_R
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
-import sys
 
 import pytest
 import torch
@@ -19,7 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from model_utils import hf_greedy_chat_answers
 from srt.entrypoints.engine import Engine
-from tiny_models import CACHE_DIR, REPO_ROOT, SKIP_REAL_MODEL_ENV, get_real_model, skip_real_model
+from tiny_models import CACHE_DIR, REPO_ROOT, SKIP_REAL_MODEL_ENV, get_real_model, load_script, skip_real_model
 
 MAX_NEW_TOKENS = 16
 CONVERSATIONS = [
@@ -31,15 +29,7 @@ CONVERSATIONS = [
 
 def load_bench_builder():
     """Import scripts/make_bench_llama.py by path (it imports make_real_model, already loaded)."""
-    name = "make_bench_llama"
-    if name not in sys.modules:
-        path = REPO_ROOT / "scripts" / "make_bench_llama.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None and spec.loader is not None, f"cannot import {path}"
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return load_script(REPO_ROOT / "scripts" / "make_bench_llama.py")
 
 
 @pytest.fixture(scope="module")

@@ -2,24 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 
 import pytest
 
-from tiny_models import REPO_ROOT
+from tiny_models import REPO_ROOT, load_script
 
 
 @pytest.fixture(scope="module")
 def bp():
-    name, path = "bench_peers", REPO_ROOT / "scripts" / "bench_peers.py"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return load_script(REPO_ROOT / "scripts" / "bench_peers.py")
 
 
 def summary(tok_s: float, ttft_ms: float, hit=None, completed=4, failed=0, out=64, expected=64) -> dict:

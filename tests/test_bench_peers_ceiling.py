@@ -3,16 +3,14 @@ Llama (eager attention), and the ceiling table on a hand-computed run."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from tiny_models import REPO_ROOT
+from tiny_models import REPO_ROOT, load_script
 
 # transformers 5.24 renames past_key_values to cache; 5.17, the oldest pyproject.toml allows, has only the old name.
 pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
@@ -20,13 +18,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:
 
 @pytest.fixture(scope="module")
 def bc():
-    name, path = "bench_peers_ceiling", REPO_ROOT / "scripts" / "bench_peers_ceiling.py"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return load_script(REPO_ROOT / "scripts" / "bench_peers_ceiling.py")
 
 
 @pytest.fixture(scope="module")

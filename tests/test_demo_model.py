@@ -8,13 +8,11 @@ tokens, its text is mostly words from the training corpus, and `scripts/launch_d
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import os
 import re
 import socket
 import subprocess
-import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -24,7 +22,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from model_utils import assert_pool_conserved, greedy_run, make_runner
-from tiny_models import REPO_ROOT, load_builder
+from tiny_models import REPO_ROOT, load_builder, load_script
 
 DEMO = REPO_ROOT / "srt" / "demo_model"
 MAX_FOLDER_BYTES = 6 * 1024 * 1024  # "a few MB": it is committed and shipped as package data
@@ -37,13 +35,7 @@ STEPS = 40
 
 def load_trainer() -> ModuleType:
     """Import scripts/train_demo_model.py by path (registered first: its dataclasses need that)."""
-    name = "train_demo_model"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "scripts" / "train_demo_model.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return load_script(REPO_ROOT / "scripts" / "train_demo_model.py")
 
 
 @functools.lru_cache(maxsize=1)

@@ -24,17 +24,23 @@ CACHE_DIR = REPO_ROOT / ".tiny_models"
 STALE_TMP_SECONDS = 3600
 
 
-def load_builder() -> ModuleType:
-    """Import scripts/make_tiny_model.py by path; scripts/ is not a package and stays off sys.path."""
-    name = "make_tiny_model"
+def load_script(path: Path) -> ModuleType:
+    """Import a script by path, once, under its file's stem; scripts/ is not a package and stays
+    off sys.path."""
+    name = path.stem
     if name in sys.modules:
         return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, BUILDER_PATH)
-    assert spec is not None and spec.loader is not None, f"cannot import {BUILDER_PATH}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None, f"cannot import {path}"
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses look their module up while the file executes
     spec.loader.exec_module(module)
     return module
+
+
+def load_builder() -> ModuleType:
+    """Import scripts/make_tiny_model.py by path."""
+    return load_script(BUILDER_PATH)
 
 
 def cache_key(arch: str, params: dict[str, object]) -> str:
@@ -102,16 +108,8 @@ def skip_real_model() -> bool:
 
 
 def load_real_builder() -> ModuleType:
-    """Import scripts/make_real_model.py by path, like `load_builder`."""
-    name = "make_real_model"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, REAL_BUILDER_PATH)
-    assert spec is not None and spec.loader is not None, f"cannot import {REAL_BUILDER_PATH}"
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    """Import scripts/make_real_model.py by path."""
+    return load_script(REAL_BUILDER_PATH)
 
 
 def get_real_model() -> Path:

@@ -166,6 +166,21 @@ class ServerArgs:
         512, "Most prompts one /generate or /v1/completions request may carry, and most outputs (prompts x n) "
         "it may ask for; bigger requests get 400 before anything is tokenized.")
     max_n: int = _opt(128, "Largest n (samples per prompt) a request may ask for; larger n gets 400.")
+    max_logprobs: int = _opt(
+        20, "Largest top_logprobs_num (and longest token_ids_logprob list) a request may ask for, as vLLM's "
+        "--max-logprobs; larger values get 400.")
+    max_stop_sequences: int = _opt(
+        64, "Most stop strings, and most stop_regex patterns, one request may carry; more get 400.")
+    max_stop_chars: int = _opt(
+        4096, "Most characters one request's stop strings (and, apart, its stop_regex patterns) may hold "
+        "together; longer get 400.")
+    max_chat_messages: int = _opt(4096, "Most messages one chat request may carry; more get 400.")
+    max_logit_bias: int = _opt(4096, "Most logit_bias entries one request may carry; more get 400.")
+    max_rid_length: int = _opt(512, "Longest request id (rid) in characters; longer get 400.")
+    request_step_budget_ms: float = _opt(
+        1000.0, "Milliseconds of the scheduler's own per-request work in one step (stop matching, grammar) "
+        "a request may take; one that takes longer is aborted with a message and the server goes on. "
+        "0 disables the check.")
     # HTTP server.
     host: str = _opt("127.0.0.1", "Address the HTTP server listens on (0.0.0.0 for every interface).")
     port: int = _opt(30000, "Port the HTTP server listens on.")
@@ -184,6 +199,14 @@ class ServerArgs:
         300.0, "Seconds the scheduler may go without answering (a stuck forward) before the server aborts "
         "with a message; 0 disables the watchdog.")
     max_request_body_mb: float = _opt(32.0, "Largest accepted request body in MiB; bigger bodies get 413.")
+    http_header_timeout: float = _opt(
+        10.0, "Seconds a client may take to send a request's headers (and between requests on an idle "
+        "keep-alive connection, see --http-keepalive-timeout) before its connection is closed.")
+    http_keepalive_timeout: float = _opt(
+        5.0, "Seconds an idle keep-alive connection stays open waiting for the next request.")
+    max_connections: int = _opt(
+        4096, "Most open client connections; past it new connections get 503 with Retry-After and are closed. "
+        "Lowered to fit the process's open-file limit (raised at start-up as far as the OS allows).")
     graceful_shutdown_timeout: float = _opt(
         30.0, "On SIGTERM: refuse new requests (503) and let in-flight ones finish for this many seconds, then "
         "abort the rest (503); a second signal, or Ctrl-C, aborts them at once.")
@@ -248,7 +271,9 @@ class ServerArgs:
             raise ValueError(f"--context-length must be >= 2, got {self.context_length}.")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}.")
-        for name in ("max_total_tokens", "max_running_requests", "max_queued_requests", "max_batch_items", "max_n"):
+        for name in ("max_total_tokens", "max_running_requests", "max_queued_requests", "max_batch_items", "max_n",
+                     "max_logprobs", "max_stop_sequences", "max_stop_chars", "max_chat_messages", "max_logit_bias",
+                     "max_rid_length", "max_connections"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}.")
@@ -264,6 +289,11 @@ class ServerArgs:
             raise ValueError(f"--watchdog-timeout must be >= 0 seconds (0 disables it), got {self.watchdog_timeout}.")
         if not self.max_request_body_mb > 0:
             raise ValueError(f"--max-request-body-mb must be > 0, got {self.max_request_body_mb}.")
+        for name in ("http_header_timeout", "http_keepalive_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(self, name)}.")
+        if self.request_step_budget_ms < 0:
+            raise ValueError(f"--request-step-budget-ms must be >= 0 (0 disables it), got {self.request_step_budget_ms}.")
         if self.graceful_shutdown_timeout < 0:
             raise ValueError(f"--graceful-shutdown-timeout must be >= 0 seconds, got {self.graceful_shutdown_timeout}.")
         if self.api_key is not None and not self.api_key:

@@ -7,7 +7,6 @@ Row index map of `req_to_token[req_pool_idx]` (see `mem_cache/req_protocol.py`):
 
 from __future__ import annotations
 
-import re
 import time
 from typing import Any, Hashable, List, Optional, Sequence, Set
 
@@ -18,11 +17,11 @@ from managers.finish_reason import (
 )
 from mem_cache.radix_tree_node import RadixKey
 from srt.sampling.sampling_params import SamplingParams
+from srt.sampling.stop_regex import compile_stop_regex, tail_tokens
 
 _EMPTY = torch.empty(0, dtype=torch.int64, device="cpu")  # replaced by a device tensor on admission
 REPLACEMENT_CHAR = "\ufffd"  # what decode yields for a trailing incomplete UTF-8 sequence
 STOP_TAIL_MARGIN = 2  # tokens decoded beyond the stop bound (left context for the first character)
-STOP_REGEX_TAIL_TOKENS = 8  # a regex has no length bound: its match is looked for in this many tokens
 
 
 class Req:
@@ -175,39 +174,48 @@ class Req:
             self._check_stop_strings(tokenizer)
 
     def stop_tail_tokens(self) -> int:
-        """Output tokens decoded for the stop check: every token decodes to at least one UTF-8
+        """Output tokens decoded for the stop strings: every token decodes to at least one UTF-8
         byte, so the longest stop string's length in bytes (plus a margin) always covers it,
         whatever the tokenizer makes of the stop string on its own."""
-        sp = self.sampling_params
-        longest = max((len(s.encode("utf-8")) for s in sp.stop or ()), default=0)
-        if sp.stop_regex:
-            longest = max(longest, STOP_REGEX_TAIL_TOKENS)
-        return longest + STOP_TAIL_MARGIN
+        longest = max((len(s.encode("utf-8")) for s in self.sampling_params.stop or ()), default=0)
+        return longest + STOP_TAIL_MARGIN if longest else 0
+
+    def stop_regex_tail_tokens(self) -> int:
+        """Output tokens decoded for the stop regexes: each pattern's own bound (srt/sampling/
+        stop_regex.py), never the stop strings' (a long stop string must not widen a regex's text)."""
+        longest = max((tail_tokens(p) for p in self.sampling_params.stop_regex or ()), default=0)
+        return longest + STOP_TAIL_MARGIN if longest else 0
 
     def _check_stop_strings(self, tokenizer: Any) -> None:
         """Only an occurrence that ends in the newest token stops the request: an earlier one was
         either seen on its own step or came before `min_new_tokens` (ignored for good). The match
-        records how far from the end of the output text it starts, so the detokenizer trims there."""
+        records how far from the end of the output text it starts, so the detokenizer trims there.
+        Stop strings win over stop regexes when both match in the same step."""
         sp = self.sampling_params
-        tail_ids = self.output_ids[-self.stop_tail_tokens():]
-        tail = tokenizer.decode(tail_ids, skip_special_tokens=False)
-        if not any(stop in tail for stop in sp.stop or ()) and not any(re.search(p, tail) for p in sp.stop_regex or ()):
-            return
-        # Text before the newest token; a trailing incomplete character may be completed by it.
-        before = len(tokenizer.decode(tail_ids[:-1], skip_special_tokens=False).rstrip(REPLACEMENT_CHAR))
-        best = None  # (start, matched)
-        for stop in sp.stop or ():
-            pos = tail.find(stop, max(0, before - len(stop) + 1))
-            if pos != -1 and (best is None or pos < best[0]):
-                best = (pos, stop)
-        if best is None:
-            for pattern in sp.stop_regex or ():
-                m = next((m for m in re.finditer(pattern, tail) if m.end() > before), None)
+        best = None  # (start, matched, tail)
+        if sp.stop:
+            tail, before = self._decode_tail(tokenizer, self.stop_tail_tokens())
+            for stop in sp.stop:
+                pos = tail.find(stop, max(0, before - len(stop) + 1))
+                if pos != -1 and (best is None or pos < best[0]):
+                    best = (pos, stop, tail)
+        if best is None and sp.stop_regex:
+            tail, before = self._decode_tail(tokenizer, self.stop_regex_tail_tokens())
+            for pattern in sp.stop_regex:
+                m = next((m for m in compile_stop_regex(pattern).finditer(tail) if m.end() > before), None)
                 if m is not None:
-                    best = (m.start(), m.group(0))
+                    best = (m.start(), m.group(0), tail)
                     break
         if best is not None:
-            self.finished_reason = FINISH_MATCHED_STR(best[1], from_end=len(tail) - best[0])
+            self.finished_reason = FINISH_MATCHED_STR(best[1], from_end=len(best[2]) - best[0])
+
+    def _decode_tail(self, tokenizer: Any, n: int):
+        """The text of the last `n` output tokens, and how much of it came before the newest token
+        (a trailing incomplete character of that text may be completed by the newest token)."""
+        ids = self.output_ids[-n:]
+        tail = tokenizer.decode(ids, skip_special_tokens=False)
+        before = len(tokenizer.decode(ids[:-1], skip_special_tokens=False).rstrip(REPLACEMENT_CHAR))
+        return tail, before
 
     # ------------------------------------------------------------------ retraction
     def reset_for_retract(self) -> None:

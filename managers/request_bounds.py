@@ -1,6 +1,7 @@
 """Request bounds the tokenizer manager checks before anything reaches the scheduler: batch and
-fan-out sizes (--max-batch-items, --max-n), prompt length against the context, token ids against
-the vocabulary, and admission's max_new_tokens clamp (applied here so meta_info reports it)."""
+fan-out sizes (--max-batch-items, --max-n), per-request work caps (--max-logprobs, stop strings
+and regexes, logit_bias, rid length), prompt length against the context, token ids against the
+vocabulary, and admission's max_new_tokens clamp (applied here so meta_info reports it)."""
 
 from __future__ import annotations
 
@@ -70,6 +71,45 @@ class RequestBounds:
                                f"more than one request may ask for ({limit}, --max-batch-items={limit}). Send "
                                f"fewer prompts or a smaller n, or raise --max-batch-items.", 400,
                                code="invalid_request_error", param="n")
+
+    def check_work_caps(self, items: List[GenerateReqItem]) -> None:
+        """Caps on what one request makes the server do per step or per response, checked on the
+        raw fields before anything walks them (10,000 stop patterns or 1M logit_bias keys are
+        refused in microseconds). Malformed values are left to SamplingParams.verify."""
+        for item in items:
+            self._cap(len(item.rid), "max_rid_length", 512, "rid", "characters")
+            cap = self._flag("max_logprobs", 20)
+            top = item.top_logprobs_num
+            if isinstance(top, int) and top > cap:
+                raise self._over("top_logprobs_num", top, cap, "max_logprobs", "top logprobs per token")
+            if isinstance(item.token_ids_logprob, list) and len(item.token_ids_logprob) > cap:
+                raise self._over("token_ids_logprob", len(item.token_ids_logprob), cap, "max_logprobs", "token ids")
+            params = item.sampling_params
+            for name in ("stop", "stop_regex"):
+                value = params.get(name)
+                values = [value] if isinstance(value, str) else value if isinstance(value, list) else []
+                self._cap(len(values), "max_stop_sequences", 64, f"sampling_params.{name}", "entries")
+                chars = sum(len(v) for v in values if isinstance(v, str))
+                self._cap(chars, "max_stop_chars", 4096, f"sampling_params.{name}", "characters in all")
+            bias = params.get("logit_bias")
+            if isinstance(bias, dict):
+                self._cap(len(bias), "max_logit_bias", 4096, "sampling_params.logit_bias", "entries")
+
+    def check_chat_messages(self, messages: Any) -> None:
+        if isinstance(messages, list):
+            self._cap(len(messages), "max_chat_messages", 4096, "messages", "messages")
+
+    def _cap(self, count: int, flag: str, default: int, param: str, unit: str) -> None:
+        limit = self._flag(flag, default)
+        if count > limit:
+            raise self._over(param, count, limit, flag, unit)
+
+    @staticmethod
+    def _over(param: str, count: int, limit: int, flag: str, unit: str) -> RequestError:
+        option = "--" + flag.replace("_", "-")
+        return RequestError(f"{param} holds {count} {unit}, more than this server allows ({limit}, {option}={limit}). "
+                            f"Send at most {limit}, or start the server with a larger {option}.", 400,
+                            code="invalid_request_error", param=param)
 
     def check_context(self, enc: Encoded, sp: SamplingParams, explicit_max_new: bool,
                        rid: str) -> Tuple[List[int], Dict[str, Any]]:

@@ -18,7 +18,7 @@ from managers.schedule_batch import RETRACT_DECODE_STEPS, KVAllocError, Schedule
 from managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
 from managers.scheduler_admission import AdmissionControl
 from managers.scheduler_grammar import GrammarManager
-from managers.scheduler_output import accumulate_input_logprobs, append_token, build_output
+from managers.scheduler_output import accumulate_input_logprobs, build_output, take_token
 from mem_cache.chunk_cache import ChunkCache
 from mem_cache.radix_cache import RadixCache
 from srt.environ import envs
@@ -31,6 +31,8 @@ class Scheduler:
     def __init__(self, server_args, model_runner, tokenizer: Any = None,
                  recv: Optional[Callable[[], List[Any]]] = None, send: Optional[Callable[[Any], None]] = None):
         self.server_args = server_args
+        # --request-step-budget-ms: one request's own work in a step (stop matching, grammar).
+        self.step_budget_s = float(getattr(server_args, "request_step_budget_ms", 0) or 0) / 1000.0
         self.runner = model_runner
         self.tokenizer = tokenizer
         self.recv = recv or (lambda: [])
@@ -254,8 +256,7 @@ class Scheduler:
         tokens = sample.next_token_ids
         sampled = 0
         for i, req in enumerate(batch.reqs[batch.num_extend:], start=batch.num_extend):  # mixed: decode rows
-            append_token(req, i, tokens[i], sample)
-            req.check_finished(self.tokenizer)
+            take_token(req, i, tokens[i], sample, self.tokenizer, self.step_budget_s)
             sampled += 1
             if req.finished():
                 self._finish(req)
@@ -276,9 +277,8 @@ class Scheduler:
             if req.sampling_params.max_new_tokens == 0:
                 req.finished_reason = FINISH_LENGTH(0)
             else:
-                append_token(req, i, tokens[i], sample)
+                take_token(req, i, tokens[i], sample, self.tokenizer, self.step_budget_s)
                 sampled += 1
-                req.check_finished(self.tokenizer)
             if req.finished():
                 self._finish(req)
             else:
@@ -291,8 +291,7 @@ class Scheduler:
         sample = sample.to_host()  # the step's one device-to-host transfer
         tokens = sample.next_token_ids
         for i, req in enumerate(batch.reqs):
-            append_token(req, i, tokens[i], sample)
-            req.check_finished(self.tokenizer)
+            take_token(req, i, tokens[i], sample, self.tokenizer, self.step_budget_s)
             if req.finished():
                 self._finish(req)
         self.stats["generated_tokens"] += len(batch.reqs)

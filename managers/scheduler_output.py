@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import torch
 
-from managers.finish_reason import FINISH_MATCHED_STR
+from managers.finish_reason import FINISH_ABORT, FINISH_MATCHED_STR
 from managers.io_struct import BatchTokenIDOut, DecodeParams
 from managers.req import Req
 from kernels.device_utils import host_to_device
@@ -14,6 +16,24 @@ from kernels.device_utils import host_to_device
 if TYPE_CHECKING:
     from srt.layers.logits_processor import LogitsProcessorOutput
     from srt.layers.sampler import SampleOutputHost
+
+logger = logging.getLogger(__name__)
+
+
+def take_token(req: Req, i: int, token: int, sample: "SampleOutputHost", tokenizer: Any, budget_s: float) -> None:
+    """Append the step's token and check whether `req` finished. When that work alone (stop
+    matching, the grammar's advance) took longer than `budget_s` (--request-step-budget-ms, 0 = no
+    bound), the request is aborted: one request must not hold every other one's step."""
+    start = time.perf_counter()
+    append_token(req, i, token, sample)
+    req.check_finished(tokenizer)
+    spent = time.perf_counter() - start
+    if budget_s and spent > budget_s and not req.finished():
+        message = (f"The request was aborted: its own work in one scheduler step (stop matching, grammar) took "
+                   f"{spent * 1000:.0f} ms, over the {budget_s * 1000:g} ms budget (--request-step-budget-ms). "
+                   f"Use fewer or simpler stop / stop_regex patterns.")
+        logger.warning("Request %s: %s", req.rid, message)
+        req.finished_reason = FINISH_ABORT(message, 400)
 
 
 def append_token(req: Req, i: int, token: int, sample: "SampleOutputHost") -> None:

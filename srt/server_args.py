@@ -199,6 +199,9 @@ class ServerArgs:
         300.0, "Seconds the scheduler may go without answering (a stuck forward) before the server aborts "
         "with a message; 0 disables the watchdog.")
     max_request_body_mb: float = _opt(32.0, "Largest accepted request body in MiB; bigger bodies get 413.")
+    max_request_json_items: int = _opt(
+        262144, "Most JSON objects, arrays and object keys one request body may hold (they, not its size, set "
+        "what parsing it costs); more get 400 before the body is parsed.")
     http_header_timeout: float = _opt(
         10.0, "Seconds a client may take to send a request's headers (and between requests on an idle "
         "keep-alive connection, see --http-keepalive-timeout) before its connection is closed.")
@@ -273,7 +276,7 @@ class ServerArgs:
             raise ValueError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}.")
         for name in ("max_total_tokens", "max_running_requests", "max_queued_requests", "max_batch_items", "max_n",
                      "max_logprobs", "max_stop_sequences", "max_stop_chars", "max_chat_messages", "max_logit_bias",
-                     "max_rid_length", "max_connections"):
+                     "max_rid_length", "max_connections", "max_request_json_items"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}.")

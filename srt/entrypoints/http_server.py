@@ -22,6 +22,7 @@ from aiohttp import web
 
 from managers.generate_input import GenerateReqInput, RequestError
 from srt.entrypoints.http_errors import json_error
+from srt.entrypoints.json_body import parse_json_body
 from srt.entrypoints.server_state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -44,44 +45,16 @@ def version() -> str:
 
 # ---------------------------------------------------------------------- request helpers
 async def read_json_body(request: web.Request) -> Any:
-    """The parsed JSON body; `RequestError` 400 (empty, not UTF-8, not JSON) or 413 (too large)."""
+    """The parsed JSON body; `RequestError` 400 (empty, not UTF-8, not JSON, too deep or too many
+    values: srt/entrypoints/json_body.py) or 413 (too large)."""
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise _too_large(request) from None
-    if not raw.strip():
-        raise RequestError("The request body is empty: send a JSON object.", 400, code="invalid_request_error")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise RequestError(f"The request body is not valid UTF-8: byte 0x{raw[exc.start]:02x} at position "
-                           f"{exc.start}.", 400, code="invalid_request_error") from None
-    try:
-        body = orjson.loads(text)
-    except orjson.JSONDecodeError as exc:
-        raise RequestError(f"The request body is not valid JSON: {exc}.", 400, code="invalid_request_error") from None
-    depth = json_depth(body, MAX_JSON_DEPTH)
-    if depth > MAX_JSON_DEPTH:
-        raise RequestError(f"The request body nests arrays or objects more than {MAX_JSON_DEPTH} levels deep; no "
-                           "field of this API needs that many.", 400, code="invalid_request_error")
+    state = request.app[STATE_KEY]
+    body = await parse_json_body(raw, getattr(state.server_args, "max_request_json_items", None))
     request["json_body"] = body  # for --log-requests
     return body
-
-
-MAX_JSON_DEPTH = 64  # deeper bodies are refused: error messages and validators recurse over values
-
-
-def json_depth(value: Any, limit: int) -> int:
-    """How deep `value` nests (iteratively, stopping once past `limit`)."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, (list, dict)):
-            deepest = max(deepest, depth)
-            if deepest > limit:
-                return deepest
-            stack.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
-    return deepest
 
 
 def json_response(data: Any, status: int = 200) -> web.Response:

@@ -9,10 +9,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
+from srt.sampling.stop_regex import StopRegexError, compile_stop_regex
 from srt.utils.bounded_repr import bounded_repr
 
 # Below this temperature a request is decoded greedily (argmax), as in SGLang.
@@ -210,9 +210,9 @@ class SamplingParams:
             if not isinstance(pattern, str) or not pattern:
                 _fail(f"stop_regex must be a non-empty string or a list of them, got {bounded_repr(pattern)}.")
             try:
-                re.compile(pattern)
-            except re.error as exc:
-                _fail(f"stop_regex must be a valid regular expression, got {bounded_repr(pattern)}: {exc}.")
+                compile_stop_regex(pattern)
+            except StopRegexError as exc:
+                _fail(f"stop_regex must be a regular expression RE2 can compile, got {bounded_repr(pattern)}: {exc}.")
         ids = self.stop_token_ids if self.stop_token_ids is not None else []
         if not isinstance(ids, (list, tuple, set)):
             _fail(f"stop_token_ids must be a list of token ids, got {bounded_repr(ids)}.")

@@ -18,7 +18,6 @@ from srt.entrypoints.openai.fields import STREAM_OPTIONS_FIELDS
 from srt.sampling.sampling_params import IMPLEMENTED, DefaultOnly
 from srt.utils.bounded_repr import bounded_repr
 
-MAX_LOGPROBS = 20  # completions `logprobs` and chat `top_logprobs` upper bound
 
 
 def invalid(message: str, param: Optional[str] = None) -> RequestError:
@@ -86,7 +85,9 @@ def get_bool(body: Mapping[str, Any], name: str, default: bool = False) -> bool:
     return value
 
 
-def get_int(body: Mapping[str, Any], name: str, low: int, high: Optional[int] = None) -> Optional[int]:
+def get_int(body: Mapping[str, Any], name: str, low: int, high: Optional[int] = None,
+            flag: Optional[str] = None) -> Optional[int]:
+    """`body[name]` as an int in [low, high]; `flag` names the server flag that sets `high`."""
     value = body.get(name)
     if value is None:
         return None
@@ -94,8 +95,16 @@ def get_int(body: Mapping[str, Any], name: str, low: int, high: Optional[int] = 
         raise invalid(f"{name} must be an integer, got {bounded_repr(value)}.", name)
     if value < low or (high is not None and value > high):
         allowed = f"[{low}, {high}]" if high is not None else f">= {low}"
-        raise invalid(f"{name} must be {'in ' if high is not None else ''}{allowed}, got {bounded_repr(value)}.", name)
+        where = f" (the upper bound is this server's {flag}={high})" if flag and high is not None and value > high else ""
+        raise invalid(f"{name} must be {'in ' if high is not None else ''}{allowed}{where}, got {bounded_repr(value)}.",
+                      name)
     return value
+
+
+def max_logprobs(state: Any) -> int:
+    """--max-logprobs: the most top logprobs per token a request may ask for."""
+    value = getattr(state.server_args, "max_logprobs", None)
+    return 20 if value is None else int(value)
 
 
 def get_number(body: Mapping[str, Any], name: str, low: float, high: float) -> Optional[float]:

@@ -19,13 +19,13 @@ from srt.entrypoints.openai.common import (
 from srt.entrypoints.openai.fields import CHAT_FIELDS
 from srt.entrypoints.openai.tool_calls import ToolCallParser, ToolPlan, parse_tool_plan
 from srt.entrypoints.openai.protocol import (
-    MAX_LOGPROBS,
     check_fields,
     check_model,
     client_rid,
     get_bool,
     get_int,
     invalid,
+    max_logprobs,
     sampling_params,
     stream_options,
 )
@@ -110,12 +110,13 @@ class ChatRequest:
         stream = get_bool(body, "stream")
         include_usage = stream_options(body, stream)
         logprobs = get_bool(body, "logprobs")
-        top = get_int(body, "top_logprobs", 0, MAX_LOGPROBS) or 0
+        top = get_int(body, "top_logprobs", 0, max_logprobs(state), "--max-logprobs") or 0
         if top and not logprobs:
             raise invalid("top_logprobs requires logprobs: true.", "top_logprobs")
         limit = _max_tokens(body)
         if body.get("messages") is None:
             raise invalid("messages is required: a non-empty list of {role, content} objects.", "messages")
+        state.tokenizer_manager.bounds.check_chat_messages(body["messages"])
         kwargs = _template_kwargs(body)
         continue_final = get_bool(body, "continue_final_message")
         params = sampling_params(body, limit)  # validate sampling fields before tokenizing

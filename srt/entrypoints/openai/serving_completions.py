@@ -18,13 +18,13 @@ from srt.entrypoints.openai.common import (
 )
 from srt.entrypoints.openai.fields import COMPLETION_FIELDS
 from srt.entrypoints.openai.protocol import (
-    MAX_LOGPROBS,
     check_fields,
     check_model,
     client_rid,
     get_bool,
     get_int,
     invalid,
+    max_logprobs,
     sampling_params,
     stream_options,
 )
@@ -86,7 +86,7 @@ class CompletionRequest:
         stream = get_bool(body, "stream")
         include_usage = stream_options(body, stream)
         echo = get_bool(body, "echo")
-        k = get_int(body, "logprobs", 0, MAX_LOGPROBS)
+        k = get_int(body, "logprobs", 0, max_logprobs(state), "--max-logprobs")
         max_tokens = get_int(body, "max_tokens", 0)
         text, ids, num_prompts = _prompts(body.get("prompt"))
         params = sampling_params(body, DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens)

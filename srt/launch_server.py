@@ -105,6 +105,8 @@ def run_server(server_args: ServerArgs) -> int:
         frontend.start()
     except (ValueError, RuntimeError, OSError) as exc:
         logger.debug("start-up failed", exc_info=True)
+        if frontend is not None:  # children that did start say goodbye before the cause is printed
+            frontend.shutdown()
         # ValueError / RuntimeError carry our own texts (bad path, tokenizer, a child's root cause).
         say_fatal(str(exc) if isinstance(exc, (ValueError, RuntimeError)) else f"{type(exc).__name__}: {exc}")
         return 1
@@ -180,6 +182,7 @@ async def _serve(frontend, server_args: ServerArgs) -> int:
 
     from aiohttp import web
 
+    from srt.entrypoints.connection_guard import ConnectionGuard
     from srt.entrypoints.http_server import create_app
     from srt.entrypoints.server_state import ServerState
 
@@ -199,15 +202,18 @@ async def _serve(frontend, server_args: ServerArgs) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
-    runner = web.AppRunner(create_app(state), handler_cancellation=True, access_log=None, shutdown_timeout=3.0)
+    guard = ConnectionGuard.for_server(server_args)
+    runner = web.AppRunner(create_app(state), handler_cancellation=True, access_log=None, shutdown_timeout=3.0,
+                           keepalive_timeout=server_args.http_keepalive_timeout)
     await runner.setup()
     host, port = server_args.host, server_args.port
     try:
-        await web.TCPSite(runner, host, port, reuse_address=True).start()
+        await guard.site(runner, host, port).start()
     except OSError as exc:  # taken between the early check and now
         await runner.cleanup()
         await frontend.close()
-        say_fatal(port_problem(host, port) or f"Cannot listen on {host}:{port}: {exc}")
+        frontend.shutdown()  # the children's last words come first: the cause is the last line
+        say_fatal(port_problem(host, port) or f"Cannot listen on {host}:{port}: {exc.strerror or exc}.")
         return 1
     watchdog = None
     if server_args.watchdog_timeout > 0:
@@ -226,6 +232,7 @@ async def _serve(frontend, server_args: ServerArgs) -> int:
     if watchdog is not None:
         watchdog.cancel()
     await runner.cleanup()
+    guard.close()
     await frontend.close()
     frontend.shutdown()
     if error:  # the cause is the last line printed

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from managers.generate_input import GENERATE_FIELDS  # noqa: E402
 from server_process import LaunchedServer, split_server_args  # noqa: E402
+from soak_evil import CATASTROPHIC_REGEXES, LIST_EBNF, YES_NO_EBNF  # noqa: E402
 from srt.entrypoints.openai.fields import CHAT_FIELDS, COMPLETION_FIELDS  # noqa: E402
 from srt.sampling.sampling_params import SAMPLING_FIELDS  # noqa: E402
 
@@ -47,7 +48,11 @@ JSON_VALUES = st.recursive(JSON_SCALARS, lambda inner: st.one_of(
 EDGE_VALUES = st.sampled_from([0, 1, 2, -1, 3, 64, 95, 96, 97, 10**9, -10**9, 0.0, 0.5, 1.0, 1.5, 2.0, -0.5,
                                True, False, None, "", "a", "hi", "5", [], [0], [1, 2], [-1], [10**6], {}, {"a": 1},
                                ["x"], "[a-z]+", '{"type": "object"}', "root ::= \"a\""])
-FIELD_VALUES = st.one_of(EDGE_VALUES, EDGE_VALUES, JSON_VALUES)
+# The evil mix (scripts/soak_evil.py): catastrophic patterns, values at and past every cap.
+EVIL_VALUES = st.sampled_from(CATASTROPHIC_REGEXES + [
+    YES_NO_EBNF, LIST_EBNF, r"(a)\1", "(?=a)", 20, 21, 2048, 4096, 4097, "z" * 3000, "x" * 5000,
+    [f"s{i}" for i in range(65)], ["a+"] * 64, {str(i): 1 for i in range(4097)}, list(range(21))])
+FIELD_VALUES = st.one_of(EDGE_VALUES, EDGE_VALUES, EVIL_VALUES, JSON_VALUES)
 PROMPTS = st.one_of(st.text(min_size=1, max_size=60), st.sampled_from(["Hello", "a b c", "日本語", "\u0000", " "]))
 MESSAGES = st.one_of(
     st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "x"]),

@@ -11,6 +11,9 @@ OpenAI completions and chat, stream and not; 30% of the valid ones disconnect at
 no 5xx and no other failure, nothing running or queued, KV conservation from /get_server_info
 (available + evictable + protected == T, no slot protected, every request slot free) and the
 server's process-tree RSS growth (after warm-up, after /flush_cache) under `--rss-bound-mib`.
+`--half-open N` holds N connections with half a header through the run (the server must close
+them, after its --http-header-timeout) and sends a few complete requests half-closed (SHUT_WR),
+which must be answered; the mix includes the evil requests of scripts/soak_evil.py.
 `--pool-frac F` (with --model-path) sizes the KV pool to F of the run's working set, so eviction
 and retraction are exercised. Prints a table; exits 1 when a check fails.
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import json
 import random
 import sys
 import time
@@ -32,6 +36,7 @@ import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from evil_connections import half_closed_request, hold_half_open, wait_closed  # noqa: E402
 from server_process import LaunchedServer, split_server_args, tree_rss_mib  # noqa: E402
 from soak_requests import Outcome, SoakConfig, native_body, one_request, send  # noqa: E402
 
@@ -48,6 +53,9 @@ class SoakReport:
     idle: bool
     problems: List[str] = field(default_factory=list)
     rss_by_process: Dict[str, tuple] = field(default_factory=dict)  # title -> (after warm-up, after flush)
+    half_open: int = 0  # connections held with half a header during the run
+    half_open_closed_s: List[Optional[float]] = field(default_factory=list)  # when the server closed each
+    half_closed_status: List[int] = field(default_factory=list)  # complete request, then SHUT_WR
 
     @property
     def counts(self) -> Dict[str, int]:
@@ -123,8 +131,12 @@ def _wait_idle(url: str, timeout: float = 120.0) -> Dict[str, Any]:
 
 def run_soak(url: str, pid: Optional[int], num_requests: int, concurrency: int, seed: int = 0,
              max_new_tokens: int = 8, disconnect_frac: float = 0.3, burst_every: int = 200,
-             burst_size: int = 0, rss_bound_mib: float = 256.0, warmup: int = 32) -> SoakReport:
-    """Drive the load and run the end-of-soak checks; `burst_size` 0 means queue bound + 16."""
+             burst_size: int = 0, rss_bound_mib: float = 256.0, warmup: int = 32, half_open: int = 0,
+             half_open_timeout_s: float = 60.0) -> SoakReport:
+    """Drive the load and run the end-of-soak checks; `burst_size` 0 means queue bound + 16.
+    `half_open` connections send half a header at the start and must be closed by the server
+    within `half_open_timeout_s` of it (its --http-header-timeout plus slack); a few complete
+    requests sent half-closed (SHUT_WR) must be answered."""
     info = _server_info(url)
     cfg = SoakConfig(context_len=info["context_length"], max_new_tokens=max_new_tokens,
                      disconnect_frac=disconnect_frac)
@@ -134,8 +146,12 @@ def run_soak(url: str, pid: Optional[int], num_requests: int, concurrency: int, 
     _wait_idle(url)
     rss_start, by_start = _rss(pid), (tree_rss_mib(pid) if pid else {})
     start = time.monotonic()
+    held = hold_half_open(url, half_open) if half_open else []
     outcomes = asyncio.run(_drive(url, cfg, num_requests, concurrency, seed, burst_every, burst_size))
     elapsed = time.monotonic() - start
+    closed_s = wait_closed(held, timeout=max(0.0, start + half_open_timeout_s - time.monotonic()), start=start)
+    small = json.dumps({"text": "hi", "sampling_params": {"max_new_tokens": 2}}).encode()
+    half_closed = [half_closed_request(url, body=small)[0] for _ in range(4 if half_open else 0)]
     info = _wait_idle(url)
     rss_end = _rss(pid)
     flushed = requests.post(url + "/flush_cache", timeout=60).status_code == 200
@@ -144,6 +160,7 @@ def run_soak(url: str, pid: Optional[int], num_requests: int, concurrency: int, 
     report = SoakReport(outcomes, elapsed, rss_start, rss_end, rss_flushed, dict(load.get("memory") or {}),
                         int(info["max_total_num_tokens"]), not load.get("num_running_reqs"))
     report.rss_by_process = {k: (by_start.get(k, 0.0), v) for k, v in by_end.items()}
+    report.half_open, report.half_open_closed_s, report.half_closed_status = half_open, closed_s, half_closed
     _check(report, info, flushed, rss_bound_mib, pid is not None)
     return report
 
@@ -172,6 +189,11 @@ def _check(report: SoakReport, info: Dict[str, Any], flushed: bool, rss_bound_mi
             p.append(f"request slots in use at the end: {m['num_req_slots'] - m['num_free_req_slots']}")
     if not flushed:
         p.append("/flush_cache refused at the end (the server does not think it is idle)")
+    still_open = sum(1 for t in report.half_open_closed_s if t is None)
+    if still_open:
+        p.append(f"{still_open} of {report.half_open} half-open connections were not closed by the server")
+    if any(status != 200 for status in report.half_closed_status):
+        p.append(f"half-closed requests got {report.half_closed_status}, expected 200s")
     if has_pid and report.rss_flushed_mib - report.rss_start_mib > rss_bound_mib:
         p.append(f"RSS grew {report.rss_flushed_mib - report.rss_start_mib:.0f} MiB (bound {rss_bound_mib:.0f})")
 
@@ -192,8 +214,18 @@ def format_report(report: SoakReport) -> str:
               f"server RSS (process tree): {report.rss_start_mib:.0f} MiB after warm-up, {report.rss_end_mib:.0f} "
               f"at the end, {report.rss_flushed_mib:.0f} after /flush_cache; per process: " + ", ".join(
                   f"{k} {a:.0f} -> {b:.0f}" for k, (a, b) in sorted(report.rss_by_process.items())),
+              _half_open_line(report),
               "PASS" if report.passed else "FAIL: " + "; ".join(report.problems)]
     return "\n".join(lines)
+
+
+def _half_open_line(report: SoakReport) -> str:
+    closed = sorted(t for t in report.half_open_closed_s if t is not None)
+    if not report.half_open:
+        return "half-open connections: none held"
+    worst = f", the last after {closed[-1]:.1f} s" if closed else ""
+    return (f"half-open connections: {len(closed)} of {report.half_open} closed by the server{worst}; "
+            f"half-closed requests: {report.half_closed_status}")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -211,6 +243,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--rss-bound-mib", type=float, default=256.0)
     ap.add_argument("--pool-frac", type=float, help="with --model-path: KV pool = this fraction of the working set")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--half-open", type=int, default=0, help="connections held with half a header during the run")
+    ap.add_argument("--half-open-timeout-s", type=float, default=60.0,
+                    help="the server must close them within this (its --http-header-timeout plus slack)")
     args = ap.parse_args(own)
     server = None
     if args.url is None:
@@ -227,7 +262,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         url, pid = (args.url, args.pid) if server is None else (server.url, server.pid)
         report = run_soak(url, pid, args.num_requests, args.concurrency, args.seed, args.max_new_tokens,
-                          args.disconnect_frac, args.burst_every, args.burst_size, args.rss_bound_mib)
+                          args.disconnect_frac, args.burst_every, args.burst_size, args.rss_bound_mib,
+                          half_open=args.half_open, half_open_timeout_s=args.half_open_timeout_s)
         print(format_report(report))
         return 0 if report.passed else 1
     finally:

@@ -1,5 +1,8 @@
 """The soak's request mix: each kind builds a body, sends it with aiohttp and checks the answer.
 
+One in ten is "evil" (scripts/soak_evil.py): catastrophic stop regexes, logprobs at and over the cap,
+EBNF constraints, and the caps' refusals, which must name their flag.
+
 Every request ends in one `Outcome`: `ok` (a valid answer of the right shape and length),
 `refused` (a 4xx JSON error for a body meant to be refused), `shed` (a queue-full 503 with
 Retry-After), `disconnected` (the client went away on purpose) or `failed` (anything else: a
@@ -15,6 +18,8 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Dict, List, Optional, Tuple
 
 import aiohttp
+
+from soak_evil import evil_refused, evil_served
 
 WORDS = ("the cat sat on a warm mat while rain fell over quiet hills and a river ran "
          "past old stone walls toward the grey sea").split()
@@ -34,6 +39,7 @@ class SoakConfig:
     max_new_tokens: int = 8
     disconnect_frac: float = 0.3
     deadline_s: float = 120.0
+    evil_frac: float = 0.1  # scripts/soak_evil.py: half refused, half served
 
 
 def prompt(rng: random.Random, lo: int = 3, hi: int = 40) -> str:
@@ -157,13 +163,14 @@ def bad_body(rng: random.Random, cfg: SoakConfig) -> Tuple[str, Any]:
 # ---------------------------------------------------------------------- one request
 async def send(session: aiohttp.ClientSession, url: str, kind: str, path: str, body: Any,
                check: Optional[Callable[[Any], Optional[str]]], stream: bool, disconnect_at: Optional[int],
-               deadline_s: float) -> Outcome:
+               deadline_s: float, refusal_names: str = "") -> Outcome:
     """Post `body` and classify the answer. `disconnect_at`: close after that many stream events
-    (or, for a non-streaming request, after that many tenths of a second)."""
+    (or, for a non-streaming request, after that many tenths of a second). `refusal_names`: text
+    a refusal's message must hold (the flag that sets the limit)."""
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     try:
         return await asyncio.wait_for(
-            _send(session, url + path, kind, data, check, stream, disconnect_at), deadline_s)
+            _send(session, url + path, kind, data, check, stream, disconnect_at, refusal_names), deadline_s)
     except asyncio.TimeoutError:
         return Outcome(kind, "failed", 0, f"no answer within {deadline_s:.0f} s")
     except (aiohttp.ClientError, ValueError) as exc:
@@ -172,7 +179,7 @@ async def send(session: aiohttp.ClientSession, url: str, kind: str, path: str, b
 
 async def _send(session: aiohttp.ClientSession, url: str, kind: str, data: bytes,
                 check: Optional[Callable[[Any], Optional[str]]], stream: bool,
-                disconnect_at: Optional[int]) -> Outcome:
+                disconnect_at: Optional[int], refusal_names: str = "") -> Outcome:
     headers = {"Content-Type": "application/json"}
     if disconnect_at is not None and not stream:
         task = asyncio.ensure_future(session.post(url, data=data, headers=headers))
@@ -186,7 +193,7 @@ async def _send(session: aiohttp.ClientSession, url: str, kind: str, data: bytes
         return Outcome(kind, "disconnected", resp.status)
     async with session.post(url, data=data, headers=headers) as resp:
         if resp.status != 200:
-            return await _classify_error(kind, resp, expected_refusal=check is None)
+            return await _classify_error(kind, resp, expected_refusal=check is None, names=refusal_names)
         if check is None:
             return Outcome(kind, "failed", 200, "a body meant to be refused was accepted")
         if stream:
@@ -201,7 +208,8 @@ async def _send(session: aiohttp.ClientSession, url: str, kind: str, data: bytes
     return Outcome(kind, "failed" if problem else "ok", 200, problem or "")
 
 
-async def _classify_error(kind: str, resp: aiohttp.ClientResponse, expected_refusal: bool) -> Outcome:
+async def _classify_error(kind: str, resp: aiohttp.ClientResponse, expected_refusal: bool,
+                          names: str = "") -> Outcome:
     text = await resp.text()
     try:
         error = json.loads(text)["error"]
@@ -212,6 +220,8 @@ async def _classify_error(kind: str, resp: aiohttp.ClientResponse, expected_refu
         if "queue" in error["message"].lower():
             return Outcome(kind, "shed", 503)
     if 400 <= resp.status < 500 and expected_refusal:
+        if names not in error["message"]:
+            return Outcome(kind, "failed", resp.status, f"the refusal does not name {names}: {error['message'][:120]}")
         return Outcome(kind, "refused", resp.status)
     return Outcome(kind, "failed", resp.status, error["message"][:160])
 
@@ -224,6 +234,12 @@ def one_request(rng: random.Random, cfg: SoakConfig, url: str,
     if roll < 0.10:
         path, body = bad_body(rng, cfg)
         return send(session, url, "bad", path, body, None, False, None, cfg.deadline_s)
+    if roll < 0.10 + cfg.evil_frac / 2:
+        path, body, flag = evil_refused(rng, prompt(rng))
+        return send(session, url, "evil_refused", path, body, None, False, None, cfg.deadline_s, flag)
+    if roll < 0.10 + cfg.evil_frac:
+        kind, body, check = evil_served(rng, prompt(rng))
+        return send(session, url, kind, "/generate", body, check, False, None, cfg.deadline_s)
     if roll < 0.50:
         variant = rng.choice(["single", "stream", "batch", "n", "logprobs"])
         body = native_body(rng, cfg, variant)

@@ -1,8 +1,9 @@
 """The CI version of scripts/soak.py: a few hundred mixed requests (disconnects, malformed bodies,
-bursts over the queue bound) against a real server, then the soak's own end-of-run checks."""
+bursts over the queue bound, the evil mix of scripts/soak_evil.py) against a real server, then the soak's own end-of-run checks."""
 
 from __future__ import annotations
 
+import collections
 import sys
 from pathlib import Path
 
@@ -23,6 +24,12 @@ def _assert_soak_passed(report: SoakReport) -> None:
     assert counts.get("ok", 0) > 100 and counts.get("refused", 0) > 5, table
     assert counts.get("disconnected", 0) > 10 and counts.get("shed", 0) > 0, table  # the bursts hit the bound
     assert report.memory["protected_size"] == 0 and report.num_5xx == 0
+    evil = collections.Counter((o.kind, o.result) for o in report.outcomes if o.kind.startswith("evil"))
+    assert evil[("evil_refused", "refused")] > 3, table  # each refusal named its flag (else "failed")
+    for kind in ("evil_regex", "evil_logprobs", "evil_ebnf"):
+        assert evil[(kind, "ok")] > 0, table
+    assert report.half_open == 200 and None not in report.half_open_closed_s, table
+    assert report.half_closed_status == [200] * 4, table
 
 
 @pytest.mark.parametrize("pool", ["default", "tight"])
@@ -33,9 +40,9 @@ def test_short_soak_loses_nothing_and_leaks_no_kv(llama_model, pool):
     # queue and overflow it however fast this CPU decodes; with the scheduler's default cap a fast
     # machine admitted every burst before the queue reached the bound, and nothing was shed.
     extra = ("--max-total-tokens", "512") if pool == "tight" else ("--max-running-requests", "4")
-    with running_server(llama_model, "--max-queued-requests", "24", *extra) as server:
+    with running_server(llama_model, "--max-queued-requests", "24", "--http-header-timeout", "2", *extra) as server:
         report = run_soak(server.url, server.proc.pid, num_requests=240, concurrency=16, seed=3,
-                          burst_every=80, rss_bound_mib=400)
+                          burst_every=80, rss_bound_mib=400, half_open=200, half_open_timeout_s=30)
         assert server.alive()
     _assert_soak_passed(report)
 

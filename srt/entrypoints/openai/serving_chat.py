@@ -3,6 +3,8 @@ OpenAI's chat shapes (`n` choices, chat `logprobs` / `top_logprobs`, streaming d
 
 from __future__ import annotations
 
+import asyncio
+import functools
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
@@ -31,6 +33,7 @@ from srt.entrypoints.openai.protocol import (
 )
 
 ENDPOINT = "/v1/chat/completions"
+RENDER_IN_THREAD_MESSAGES = 64
 _RESERVED_TEMPLATE_KWARGS = ("messages", "add_generation_prompt", "tokenize", "chat_template", "tools")
 
 
@@ -78,7 +81,11 @@ async def _render(messages: Any, continue_final: bool, kwargs: Dict[str, Any], s
         if isinstance(last, dict) and last.get("role") == "assistant" and isinstance(last.get("content"), str):
             messages, prefix = messages[:-1], last["content"]
     tm = state.tokenizer_manager
-    prompt = tm.chat_to_prompt(messages, add_generation_prompt=True, **kwargs)
+    render = functools.partial(tm.chat_to_prompt, messages, add_generation_prompt=True, **kwargs)
+    # Many messages render in a worker thread (Jinja is Python: it yields the GIL every few ms),
+    # so the event loop keeps answering /health (4,096 messages take ~100 ms to render).
+    many = isinstance(messages, list) and len(messages) > RENDER_IN_THREAD_MESSAGES
+    prompt = await asyncio.get_running_loop().run_in_executor(None, render) if many else render()
     # No special tokens: the template already holds BOS where the model wants it.
     ids = await tm.encode_prompt(prompt, add_special_tokens=False)
     if prefix:

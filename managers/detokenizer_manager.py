@@ -15,10 +15,10 @@ from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple
 
 from managers import ipc
 from managers.io_struct import BatchStrOut, BatchTokenIDOut, DecodeParams
+from managers.stop_text import REPLACEMENT_CHAR
 
 logger = logging.getLogger(__name__)
 
-REPLACEMENT_CHAR = "\ufffd"  # what decode yields for a trailing incomplete UTF-8 sequence
 POLL_INTERVAL_MS = 200  # how often the loop checks for SIGTERM and a dead parent while idle
 _DEFAULT_PARAMS = DecodeParams()
 

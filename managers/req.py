@@ -16,11 +16,11 @@ from managers.finish_reason import (
     FINISH_ABORT, FINISH_LENGTH, FINISH_MATCHED_STR, FINISH_MATCHED_TOKEN, BaseFinishReason,
 )
 from mem_cache.radix_tree_node import RadixKey
+from managers.stop_text import REPLACEMENT_CHAR, StopTextWindow
 from srt.sampling.sampling_params import SamplingParams
 from srt.sampling.stop_regex import compile_stop_regex, tail_tokens
 
 _EMPTY = torch.empty(0, dtype=torch.int64, device="cpu")  # replaced by a device tensor on admission
-REPLACEMENT_CHAR = "\ufffd"  # what decode yields for a trailing incomplete UTF-8 sequence
 STOP_TAIL_MARGIN = 2  # tokens decoded beyond the stop bound (left context for the first character)
 
 
@@ -79,6 +79,7 @@ class Req:
         self.extend_input_len = 0
         self.is_chunked = 0
 
+        self._stop_window: Optional[StopTextWindow] = None  # the stop strings' text, built on the first check
         self.grammar: Any = None  # a BaseGrammarObject matcher (regex / json_schema / ebnf requests)
         self.finished_reason: Optional[BaseFinishReason] = None
         self.to_abort: Optional[FINISH_ABORT] = None
@@ -173,13 +174,6 @@ class Req:
         if tokenizer is not None and (sp.stop or sp.stop_regex) and len(self.output_ids) >= sp.min_new_tokens:
             self._check_stop_strings(tokenizer)
 
-    def stop_tail_tokens(self) -> int:
-        """Output tokens decoded for the stop strings: every token decodes to at least one UTF-8
-        byte, so the longest stop string's length in bytes (plus a margin) always covers it,
-        whatever the tokenizer makes of the stop string on its own."""
-        longest = max((len(s.encode("utf-8")) for s in self.sampling_params.stop or ()), default=0)
-        return longest + STOP_TAIL_MARGIN if longest else 0
-
     def stop_regex_tail_tokens(self) -> int:
         """Output tokens decoded for the stop regexes: each pattern's own bound (srt/sampling/
         stop_regex.py), never the stop strings' (a long stop string must not widen a regex's text)."""
@@ -192,22 +186,20 @@ class Req:
         records how far from the end of the output text it starts, so the detokenizer trims there.
         Stop strings win over stop regexes when both match in the same step."""
         sp = self.sampling_params
-        best = None  # (start, matched, tail)
         if sp.stop:
-            tail, before = self._decode_tail(tokenizer, self.stop_tail_tokens())
-            for stop in sp.stop:
-                pos = tail.find(stop, max(0, before - len(stop) + 1))
-                if pos != -1 and (best is None or pos < best[0]):
-                    best = (pos, stop, tail)
-        if best is None and sp.stop_regex:
+            if self._stop_window is None:
+                self._stop_window = StopTextWindow(sp.stop)
+            found = self._stop_window.match(tokenizer, self.output_ids)
+            if found is not None:
+                self.finished_reason = FINISH_MATCHED_STR(found[1], from_end=found[2])
+                return
+        if sp.stop_regex:
             tail, before = self._decode_tail(tokenizer, self.stop_regex_tail_tokens())
             for pattern in sp.stop_regex:
                 m = next((m for m in compile_stop_regex(pattern).finditer(tail) if m.end() > before), None)
                 if m is not None:
-                    best = (m.start(), m.group(0), tail)
-                    break
-        if best is not None:
-            self.finished_reason = FINISH_MATCHED_STR(best[1], from_end=len(best[2]) - best[0])
+                    self.finished_reason = FINISH_MATCHED_STR(m.group(0), from_end=len(tail) - m.start())
+                    return
 
     def _decode_tail(self, tokenizer: Any, n: int):
         """The text of the last `n` output tokens, and how much of it came before the newest token

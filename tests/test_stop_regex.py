@@ -96,21 +96,27 @@ def test_re2_positions_are_characters_in_non_ascii_text():
 
 @pytest.mark.parametrize("pattern", CATASTROPHIC)
 def test_catastrophic_pattern_with_a_long_stop_string_sees_only_its_own_tail(tok, pattern):
-    """A 3,000-character stop string widens the stop strings' tail, never the regex's."""
+    """A 3,000-character stop string costs a step a decode of the newest tokens (its text is kept
+    incrementally), and never widens the regex's bounded tail."""
     a = single_token(tok, "a")
     sp = SamplingParams(max_new_tokens=4000, stop=["z" * 3000], stop_regex=pattern)
     sp.normalize(tok)
     req = Req("r", [1, 2, 3], sp)
-    req.output_ids = [a] * 3500  # a long forced output, checked at its newest token
     counting = CountingTokenizer(tok)
-    req.check_finished(counting)
-    # The stop strings' tail (the stop's length plus a margin) and its "text before the newest
-    # token", then, when no stop string matched, the regex's bounded tail and its "before".
-    assert counting.sizes == [3002, 3001, STOP_REGEX_TAIL_TOKENS + 2, STOP_REGEX_TAIL_TOKENS + 1]
+    steps = []
+    while len(req.output_ids) < 3500 and not req.finished():
+        req.output_ids.append(a)
+        counting.sizes.clear()
+        req.check_finished(counting)
+        steps.append(list(counting.sizes))
     matches_a_run = compile_stop_regex(pattern).search("a" * 50) is not None
     assert req.finished() == matches_a_run
     if matches_a_run:
-        assert isinstance(req.finished_reason, FINISH_MATCHED_STR)
+        assert isinstance(req.finished_reason, FINISH_MATCHED_STR) and len(req.output_ids) < 100
+        return
+    # Steady state: one and two tokens for the stop strings, then the regex's tail and its "before".
+    assert all(sizes == [1, 2, STOP_REGEX_TAIL_TOKENS + 2, STOP_REGEX_TAIL_TOKENS + 1] for sizes in steps[100:]), steps[100]
+    assert len(req._stop_window.text) == 3000  # the stop's length - 1 characters before the newest one
 
 
 def test_a_match_must_end_in_the_newest_token(tok):
@@ -178,3 +184,37 @@ def test_scheduler_aborts_only_the_slow_request_and_serves_the_rest(llama_model,
         assert out[f"ok{i}"]["finish"] == FINISH_LENGTH(30).to_json()
         assert len(out[f"ok{i}"]["output_ids"]) == 30
     h.assert_conserved()
+
+
+# -- the incremental stop-string window against a whole-output decode -----------------------------
+
+def _oracle_stop_step(tok, ids, stops):
+    """The first step whose newest token ends an occurrence, found by decoding the whole output."""
+    for n in range(1, len(ids) + 1):
+        text = tok.decode(ids[:n], skip_special_tokens=False)
+        before = len(tok.decode(ids[: n - 1], skip_special_tokens=False).rstrip("\ufffd"))
+        hits = [(text.find(s, max(0, before - len(s) + 1)), s) for s in stops]
+        hits = [(p, s) for p, s in hits if p != -1]
+        if hits:
+            p, s = min(hits)
+            return n, s, len(text) - p
+    return None
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(0, 1023), min_size=1, max_size=40), st.data())
+def test_incremental_window_finds_what_a_whole_decode_finds(tok, ids, data):
+    text = tok.decode(ids, skip_special_tokens=False)
+    stops = [s for s in data.draw(st.lists(st.text(alphabet=text or "x", min_size=1, max_size=6), min_size=1,
+                                           max_size=3)) if "\ufffd" not in s] or ["\x00never"]
+    sp = SamplingParams(max_new_tokens=100, stop=stops)
+    sp.normalize(tok)
+    req = Req("r", [1], sp)
+    got = None
+    for n, t in enumerate(ids, start=1):
+        req.output_ids.append(t)
+        req._check_stop_strings(tok)
+        if req.finished():
+            got = (n, req.finished_reason.matched, req.finished_reason.from_end)
+            break
+    assert got == _oracle_stop_step(tok, ids, stops)

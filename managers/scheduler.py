@@ -382,8 +382,8 @@ class Scheduler:
         self.tree_cache.reset()
         self.runner.req_to_token_pool.clear()
         self.runner.token_to_kv_pool_allocator.clear()
-        if self.runner.token_to_kv_pool.release_host_pages():  # CPU: RSS back to what it was at start
-            trim_host_heap()  # and the free blocks the tuned malloc keeps in its heap
+        self.runner.token_to_kv_pool.release_host_pages()  # CPU: the pool's touched pages go back
+        trim_host_heap()  # and, on any device, the free blocks the host heap and torch's caches keep
         return FlushCacheReqOutput(True, "Cache flushed.")
 
     def token_usage(self) -> float:

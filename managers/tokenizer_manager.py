@@ -34,6 +34,7 @@ from managers.prompt_tokenizer import Encoded, PromptTokenizer
 from managers.req_output_accumulator import ReqOutput
 from managers.request_bounds import CONTEXT_CODE, RequestBounds, server_flag
 from managers.template_manager import TemplateManager
+from managers.tokenizer_metrics import TokenizerMetrics
 from srt.constrained.base_grammar_backend import GrammarError, create_grammar_backend, grammar_key
 from srt.sampling.sampling_params import SamplingParams
 
@@ -42,46 +43,9 @@ __all__ = ["RequestError", "ReqState", "TokenizerManager", "TokenizerMetrics"]
 logger = logging.getLogger(__name__)
 
 ABORTED_BY_CLIENT = 499  # status of "Aborted by request." finishes: delivered, not raised
-TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-ITL_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
-E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 # An aborted request keeps its rid until the scheduler's finish for it came back (a new request
 # with that rid would receive it), or for this long if that finish never comes.
 DRAIN_TIMEOUT_S = 30.0
-
-
-@dataclass
-class LatencyHistogram:
-    """Prometheus-style histogram: `counts[i]` observations <= `buckets[i]` (not cumulative), plus +Inf."""
-
-    buckets: Tuple[float, ...]
-    counts: List[int] = field(default_factory=list)
-    sum: float = 0.0
-    count: int = 0
-
-    def __post_init__(self) -> None:
-        self.counts = [0] * (len(self.buckets) + 1)
-
-    def observe(self, value: float) -> None:
-        self.sum += value
-        self.count += 1
-        i = next((k for k, b in enumerate(self.buckets) if value <= b), len(self.buckets))
-        self.counts[i] += 1
-
-
-@dataclass
-class TokenizerMetrics:
-    """Front-end counters for /metrics; one finished output (an n > 1 child too) counts once."""
-
-    num_requests: int = 0  # sent to the scheduler
-    num_finished: int = 0
-    num_aborted: int = 0  # abort finishes and client disconnects
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    cached_tokens: int = 0
-    time_to_first_token: LatencyHistogram = field(default_factory=lambda: LatencyHistogram(TTFT_BUCKETS))
-    inter_token_latency: LatencyHistogram = field(default_factory=lambda: LatencyHistogram(ITL_BUCKETS))
-    e2e_latency: LatencyHistogram = field(default_factory=lambda: LatencyHistogram(E2E_BUCKETS))
 
 
 @dataclass
@@ -167,6 +131,7 @@ class TokenizerManager:
         self.bounds.check_input_ids_lengths(obj)
         items = obj.normalize()
         self.bounds.check_fan_out(items)
+        self.bounds.check_work_caps(items)
         self._check_rids([item.rid for item in items])
         prepared = await self._prepare_all(items)
         self._check_rids([p.req.rid for p in prepared])  # again: others may have registered meanwhile
@@ -438,19 +403,19 @@ class TokenizerManager:
             yield finals[0] if flat_single else [finals[i] for i in range(total)]
 
     async def _check_grammar(self, sampling_params: SamplingParams) -> None:
-        """A regex / json_schema / ebnf that does not compile is a 400 naming the field, before
-        anything is sent (compiled once per distinct grammar, in the backend's thread)."""
-        key = grammar_key(sampling_params)
-        if key is None:
+        """A grammar that does not compile is a 400 naming its field, before anything is sent; other failures: 500."""
+        if (key := grammar_key(sampling_params)) is None:
             return
-        if self._grammar_backend is None:
-            name = getattr(self.server_args, "grammar_backend", "llguidance")
-            self._grammar_backend = create_grammar_backend(name, self.tokenizer, self.vocab_size)
         try:
+            name = getattr(self.server_args, "grammar_backend", "llguidance")
+            self._grammar_backend = self._grammar_backend or create_grammar_backend(name, self.tokenizer, self.vocab_size)
             await asyncio.wrap_future(self._grammar_backend.get_future(key))
         except GrammarError as exc:
             raise RequestError(str(exc), 400, code="invalid_request_error",
                                param=f"sampling_params.{exc.field}") from None
+        except Exception as exc:  # the backend's fault, never blamed on the client's grammar
+            logger.exception("The grammar backend failed on a %s constraint", key[0])
+            raise RequestError(f"Internal error compiling the {key[0]} constraint: {exc!r}", 500, code="internal_error")
 
     async def _request_replies(self, request: Any, reply_type: type) -> List[Any]:
         """Send an admin query and wait for its reply from every data-parallel replica."""

@@ -12,7 +12,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 from server_utils import running_server
 
-from managers.tokenizer_manager import LatencyHistogram
+from managers.tokenizer_metrics import LatencyHistogram
 from srt.entrypoints.http_server import create_app
 from srt.entrypoints.metrics import GenThroughput, _cumulative_buckets
 from srt.entrypoints.server_state import ServerState

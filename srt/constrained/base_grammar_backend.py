@@ -83,22 +83,16 @@ class BaseGrammarBackend:
         """The (possibly running) compile of `key`; its result is a template matcher to `copy()`."""
         future = self._cache.get(key)
         if future is None:
-            future = self._pool.submit(self._compile_logged, key)
+            future = self._pool.submit(self._compile, key)
             self._cache[key] = future
         return future
 
     def compile_now(self, key: GrammarKey) -> BaseGrammarObject:
         return self.get_future(key).result()
 
-    def _compile_logged(self, key: GrammarKey) -> BaseGrammarObject:
-        try:
-            return self._compile(key)
-        except GrammarError:
-            raise
-        except Exception as exc:  # the library's own words, under the request field
-            raise GrammarError(GRAMMAR_FIELDS.get(key[0], key[0]), f"{type(exc).__name__}: {exc}") from exc
-
     def _compile(self, key: GrammarKey) -> BaseGrammarObject:
+        """The template matcher of `key`. Raises `GrammarError` only when the client's text does not
+        compile (a 400); any other exception is the backend's own fault and must surface as one."""
         raise NotImplementedError
 
     def shutdown(self) -> None:

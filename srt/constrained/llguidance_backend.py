@@ -1,6 +1,7 @@
 """llguidance (a Rust library with Python bindings, no required dependencies) behind the grammar
 interface. Regexes and JSON schemas go through llguidance's own compilers; EBNF (GBNF syntax)
-through its GBNF-to-Lark converter."""
+through its GBNF-to-Lark converter. Only the client's grammar text becomes a `GrammarError`; any
+other exception is the backend's own fault and propagates as such."""
 
 from __future__ import annotations
 
@@ -58,10 +59,32 @@ def structural_tags(text: str):
         trigger = next((t for t in triggers if isinstance(t, str) and t and item["begin"].startswith(t)), None)
         if trigger is None:
             raise GrammarError("structural_tag", f"structures[{i}].begin {item['begin']!r} starts with no trigger")
+        if not isinstance(item.get("schema", {}), dict):
+            raise GrammarError("structural_tag", f"structures[{i}].schema must be a JSON object")
         schema = dict(item.get("schema") or {})
         schema.setdefault("x-guidance", {"whitespace_flexible": False})  # compact JSON, as for json_schema
         out.append((trigger, item["begin"], schema, item["end"]))
     return out
+
+
+def ebnf_to_lark(text: str) -> str:
+    """GBNF (`root ::= ...`, as xgrammar takes SGLang's `ebnf`) to llguidance's Lark. Strictly GBNF:
+    `any_to_lark` would also pass Lark through, but it sniffs Lark by a `start:` line, which a GBNF
+    rule `start ::= ...` also matches, and a Lark grammar would not be portable to xgrammar."""
+    from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
+
+    try:
+        return gbnf_to_lark(text)
+    except GbnfToLarkError as exc:
+        raise GrammarError("ebnf", str(exc)) from None
+    except RecursionError:
+        raise GrammarError("ebnf", "the grammar nests groups too deeply") from None
+    except Exception as exc:
+        # The converter reports a missing `root`, an undefined or a duplicate rule as a plain
+        # Exception; a subclass (TypeError, KeyError...) is a fault of the converter, not the text.
+        if type(exc) is not Exception:
+            raise
+        raise GrammarError("ebnf", str(exc)) from None
 
 
 class GuidanceBackend(BaseGrammarBackend):
@@ -91,11 +114,14 @@ class GuidanceBackend(BaseGrammarBackend):
             # Compact separators unless the schema's own "x-guidance" says otherwise: a flexible
             # whitespace rule would let a weak model pad forever instead of closing the object.
             defaults = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
-            grammar, field = matcher_cls.grammar_from_json_schema(schema, defaults=defaults), "json_schema"
+            try:
+                grammar, field = matcher_cls.grammar_from_json_schema(schema, defaults=defaults), "json_schema"
+            except ValueError as exc:  # documented: the schema or its "x-guidance" is not a JSON object
+                raise GrammarError("json_schema", str(exc)) from None
         elif kind == "structural_tag":
             grammar, field = matcher_cls.grammar_from_lark(self._structural_tag_lark(text)), "structural_tag"
         else:
-            grammar, field = matcher_cls.grammar_from_lark(self._ll.gbnf_to_lark(text)), "ebnf"
+            grammar, field = matcher_cls.grammar_from_lark(ebnf_to_lark(text)), "ebnf"
         is_error, messages = matcher_cls.validate_grammar_with_warnings(grammar, self.ll_tokenizer)
         if is_error:
             raise GrammarError(field, messages[0] if messages else "invalid grammar")

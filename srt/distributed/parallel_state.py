@@ -17,6 +17,8 @@ from typing import Any, List, Optional
 import torch
 import torch.distributed as dist
 
+from srt.distributed.rendezvous import create_tcp_store
+
 logger = logging.getLogger(__name__)
 
 
@@ -49,14 +51,16 @@ def backend_for(device: str) -> str:
 
 
 def init_tp_group(tp_size: int, rank: int, init_method: str, device: str, timeout_s: float = 600.0) -> TPGroup:
-    """Join the TP group of `tp_size` ranks at `init_method` (tcp://host:port). tp = 1: nothing."""
+    """Join the TP group of `tp_size` ranks at `init_method` (tcp://host:port). tp = 1: nothing.
+    Rank 0 hosts the rendezvous store on `host` alone (see `srt.distributed.rendezvous`)."""
     global _TP
     if tp_size == 1:
         _TP = TPGroup()
         return _TP
     backend = backend_for(device)
     timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(backend, init_method=init_method, world_size=tp_size, rank=rank, timeout=timeout)
+    store = create_tcp_store(init_method, rank, tp_size, timeout)
+    dist.init_process_group(backend, store=store, world_size=tp_size, rank=rank, timeout=timeout)
     cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
     _TP = TPGroup(rank, tp_size, backend, dist.group.WORLD, cpu_group)
     logger.info("TP rank %d of %d joined (%s, %s).", rank, tp_size, backend, init_method)

@@ -6,8 +6,9 @@ frees tens of MiB per op (a 2,048-token chunk's gate/up output of SmolLM2 is 25 
 such tensor came back as new zeroed pages and paid a page fault per 4 KiB: SmolLM2's fp32 prefill
 spent ~20% of its time there. Raising both thresholds once per process keeps those blocks for
 reuse, the effect SGLang's CPU guide gets by preloading tcmalloc or jemalloc. The cost is RSS:
-the heap keeps its high-water mark (one forward's activations). The CPU KV pool has anonymous
-mappings of its own (mem_cache/memory_pool.py), so its pages still go back on a cache flush.
+the heap keeps its high-water mark (one forward's activations) until `trim_host_heap` trims
+it, which a cache flush does. The CPU KV pool has anonymous mappings of its own
+(mem_cache/memory_pool.py), unmapped on a flush.
 
 A MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ / MALLOC_TOP_PAD_ in the environment, a
 non-glibc libc or SRT_CPU_MALLOC_TUNING=0 leaves malloc as it is.
@@ -20,6 +21,8 @@ import ctypes.util
 import functools
 import logging
 import os
+
+import torch
 
 from srt.environ import envs
 
@@ -46,9 +49,14 @@ def _libc():
 
 
 def trim_host_heap() -> bool:
-    """Give the heap's free pages back to the OS (glibc `malloc_trim(0)`, which also releases free
-    chunks inside the heap). With the raised thresholds freed blocks stay resident until then; the
-    scheduler calls this on a cache flush, after the CPU KV pool unmaps its buffers."""
+    """Give the host memory that only caches still hold back to the OS; True when malloc released
+    some. First torch's pinned-block cache (CUDA builds; torch's plain CPU allocator caches nothing,
+    it frees straight to malloc), then the heap: glibc `malloc_trim(0)` returns the free pages of
+    every arena, which the raised thresholds otherwise keep resident. The scheduler calls this after
+    every cache flush, once the CPU KV pool has unmapped its buffers."""
+    empty_pinned = getattr(torch._C, "_host_emptyCache", None)  # torch's own name for it (2.5+)
+    if empty_pinned is not None and torch.cuda.is_initialized():  # pinned blocks exist only once CUDA is up
+        empty_pinned()
     libc = _libc()
     return bool(libc.malloc_trim(0)) if libc is not None else False
 

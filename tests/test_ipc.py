@@ -68,3 +68,32 @@ def test_a_pickle_or_unknown_or_malformed_frame_is_refused_without_running_code(
     assert "PWNED" not in os.environ
     with pytest.raises(TypeError, match="not an io_struct message"):
         ipc.dumps({"rid": "x"})
+
+
+def test_decoding_runs_with_the_collector_off_and_restores_its_state(monkeypatch):
+    """A big message decodes with the cyclic GC off (its full collections cost the event loop
+    20x the decode), and the collector's state is the caller's again afterwards, errors included."""
+    import gc
+
+    seen = []
+    real = ipc._decoders()[b"BatchStrOut"]
+
+    class Spy:
+        def decode(self, payload):
+            seen.append(gc.isenabled())
+            return real.decode(payload)
+
+    monkeypatch.setitem(ipc._DECODERS, b"BatchStrOut", Spy())
+    msg = io_struct.BatchStrOut(rids=["r"], texts=["x"], output_ids=[[1, 2]], finished_reasons=[None],
+                                meta_info=[{"output_top_logprobs": [[[0.5, 1]] * 20] * 300}])
+    frames = ipc.dumps(msg)
+    assert gc.isenabled()
+    assert ipc.loads(frames) == msg and seen == [False] and gc.isenabled()
+    gc.disable()
+    try:
+        assert ipc.loads(frames) == msg and not gc.isenabled()
+    finally:
+        gc.enable()
+    with pytest.raises(ipc.IPCDecodeError):
+        ipc.loads([b"BatchStrOut", frames[1][:-3]])
+    assert gc.isenabled()

@@ -26,6 +26,7 @@ import collections
 import json
 import random
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -147,9 +148,12 @@ def run_soak(url: str, pid: Optional[int], num_requests: int, concurrency: int, 
     rss_start, by_start = _rss(pid), (tree_rss_mib(pid) if pid else {})
     start = time.monotonic()
     held = hold_half_open(url, half_open) if half_open else []
+    closed_s: List[Optional[float]] = []  # watched beside the load, so each close time is the server's
+    watcher = threading.Thread(target=lambda: closed_s.extend(wait_closed(held, half_open_timeout_s, start)))
+    watcher.start()
     outcomes = asyncio.run(_drive(url, cfg, num_requests, concurrency, seed, burst_every, burst_size))
     elapsed = time.monotonic() - start
-    closed_s = wait_closed(held, timeout=max(0.0, start + half_open_timeout_s - time.monotonic()), start=start)
+    watcher.join()
     small = json.dumps({"text": "hi", "sampling_params": {"max_new_tokens": 2}}).encode()
     half_closed = [half_closed_request(url, body=small)[0] for _ in range(4 if half_open else 0)]
     info = _wait_idle(url)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import platform
 import statistics
 import sys
 import threading
@@ -29,22 +28,13 @@ import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from evil_connections import machine_name  # noqa: E402
 from server_process import LaunchedServer, split_server_args  # noqa: E402
 
 CATASTROPHIC = ["(a+)+b", "(a|aa)+$", "(.*a){20}$", "((a*)*)*b"]
 HEALTH_BOUND_MS, P50_BOUND = 200.0, 2.0
 # Probes run in fresh interpreters: a fork while the request thread holds an import lock deadlocks.
 MP = mp.get_context("spawn")
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def _one_token_latencies(url: str, seconds: float, out: "mp.Queue", min_count: int = 10) -> None:
@@ -192,7 +182,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         cat, p1 = catastrophic_rows(url, args.model_path, args.seconds)
         big, p2 = large_rows(url)
         alive = requests.get(url + "/health", timeout=30).status_code == 200
-        print(f"CPU: {cpu_name()}\n\n" + "\n".join(cat) + "\n\n" + "\n".join(big))
+        print(f"CPU: {machine_name()}\n\n" + "\n".join(cat) + "\n\n" + "\n".join(big))
         problems = p1 + p2 + ([] if alive else ["the server is not healthy at the end"])
         print("\nPASS" if not problems else "\nFAIL: " + "; ".join(problems))
         return 0 if not problems else 1

@@ -256,3 +256,15 @@ def test_error_messages_do_not_echo_huge_values(server, path, body, param):
     error = resp.json()["error"]
     assert len(error["message"]) < 400, error["message"][:500]
     assert param.split("[")[0] in error["message"] or error["param"] == param
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "a"}], "ebnf": "root ::= ("},
+     "ebnf"),
+    ("/v1/completions", {"model": "m", "prompt": "a", "stop": [f"s{i}" for i in range(65)]}, "stop"),
+    ("/generate", {"text": "a", "sampling_params": {"stop": [f"s{i}" for i in range(65)]}}, "sampling_params.stop"),
+])
+def test_refusals_name_the_field_as_the_route_spells_it(server, path, body, param):
+    resp = requests.post(server.url + path, json=body, timeout=30)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == param

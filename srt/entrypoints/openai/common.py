@@ -21,7 +21,10 @@ logger = logging.getLogger(__name__)
 
 
 def error_response(exc: RequestError) -> web.Response:
-    return json_error(exc.status_code, exc.message, code=exc.code, param=exc.param)
+    """The OpenAI error body. Sampling fields are top-level in an OpenAI body, so a refusal of
+    `sampling_params.stop` names `stop`, as the client wrote it."""
+    param = exc.param[len("sampling_params."):] if exc.param and exc.param.startswith("sampling_params.") else exc.param
+    return json_error(exc.status_code, exc.message, code=exc.code, param=param)
 
 
 def json_response(obj: Any) -> web.Response:

@@ -260,7 +260,7 @@ def test_any_model_name_is_served_under_the_served_name(client: openai.OpenAI) -
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools[0].function.parameters"),
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"tool_choice": "required"}, "tool_choice"),
-    ({"regex": "[a-z"}, "sampling_params.regex"),
+    ({"regex": "[a-z"}, "regex"),  # a top-level field of the OpenAI body
     ({"lora_path": "adapter-a"}, "lora_path"),
     ({"not_a_field": 1}, "not_a_field"),
 ])

@@ -26,8 +26,10 @@ def _assert_soak_passed(report: SoakReport) -> None:
     assert report.memory["protected_size"] == 0 and report.num_5xx == 0
     evil = collections.Counter((o.kind, o.result) for o in report.outcomes if o.kind.startswith("evil"))
     assert evil[("evil_refused", "refused")] > 3, table  # each refusal named its flag (else "failed")
-    for kind in ("evil_regex", "evil_logprobs", "evil_ebnf"):
-        assert evil[(kind, "ok")] > 0, table
+    served = ("evil_regex", "evil_logprobs", "evil_ebnf")
+    for kind in served:  # drawn (the seed fixes the draws); served or shed by a full queue, never failed
+        assert evil[(kind, "ok")] + evil[(kind, "shed")] > 0, table
+    assert sum(evil[(kind, "ok")] for kind in served) > 3, table
     assert report.half_open == 200 and None not in report.half_open_closed_s, table
     assert report.half_closed_status == [200] * 4, table
 

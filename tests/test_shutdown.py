@@ -104,7 +104,9 @@ def server(llama_model):
 
 
 def test_requests_left_after_the_graceful_timeout_get_503_on_every_route(server):
-    handle = server("--graceful-shutdown-timeout", "1")
+    # 0.5 s: four 1,500-token requests decoded together finish about 1 s after they start on a
+    # 2-core Zen 5 EPYC, so a 1 s drain sometimes let one of them complete.
+    handle = server("--graceful-shutdown-timeout", "0.5")
     calls = {
         "generate": lambda: handle.post("/generate", json={"text": "Native", "sampling_params": LONG}),
         "completions": lambda: handle.post("/v1/completions", json={
@@ -130,12 +132,12 @@ def test_requests_left_after_the_graceful_timeout_get_503_on_every_route(server)
         assert resp.status_code == 503, (name, resp.status_code, resp.text[:300])
         error = resp.json()["error"]
         assert error["message"].startswith("The server is shutting down: the request was aborted after waiting")
-        assert "--graceful-shutdown-timeout=1" in error["message"] and error["type"] == "service_unavailable"
+        assert "--graceful-shutdown-timeout=0.5" in error["message"] and error["type"] == "service_unavailable"
     events = results["stream"]
     assert events[-1] == "[DONE]"
     last = json.loads(events[-2])
     assert last["error"]["status_code"] == 503 and "shutting down" in last["error"]["message"]
-    assert 0.9 < took < 15, took
+    assert 0.4 < took < 15, took
     assert handle.proc.wait(20) == 0
 
 

@@ -11,15 +11,17 @@ from typing import Any, Dict, List, Tuple
 from managers.generate_input import GenerateReqInput, GenerateReqItem, RequestError, RequestLimits
 from managers.prompt_tokenizer import Encoded
 from srt.sampling.sampling_params import SamplingParams
+from srt.server_args import flag_default
 
 logger = logging.getLogger(__name__)
 
 CONTEXT_CODE = "context_length_exceeded"
 
 
-def server_flag(server_args: Any, name: str, default: int) -> int:
+def server_flag(server_args: Any, name: str) -> int:
+    """`server_args.name`, or the flag's ServerArgs default when the object does not carry it."""
     value = getattr(server_args, name, None)
-    return default if value is None else int(value)
+    return int(flag_default(name) if value is None else value)
 
 
 class RequestBounds:
@@ -31,12 +33,12 @@ class RequestBounds:
         self.context_len = context_len
         self.vocab_size = vocab_size
 
-    def _flag(self, name: str, default: int) -> int:
-        return server_flag(self.server_args, name, default)
+    def _flag(self, name: str) -> int:
+        return server_flag(self.server_args, name)
 
     def check_batch_size(self, obj: GenerateReqInput) -> None:
         """--max-batch-items, counted before the batch is normalized (cheap to refuse, not to walk)."""
-        count, limit = obj.num_prompts, self._flag("max_batch_items", 512)
+        count, limit = obj.num_prompts, self._flag("max_batch_items")
         if count > limit:
             name = "text" if obj.text is not None else "input_ids"
             raise RequestError(f"{name} holds {count} prompts, more than one request may carry ({limit}, "
@@ -56,7 +58,7 @@ class RequestBounds:
     def check_fan_out(self, items: List[GenerateReqItem]) -> None:
         """--max-n per prompt, and --max-batch-items over every output (prompts x n): the scheduler
         runs one request per output. Malformed `n` values are left to SamplingParams.verify."""
-        max_n, limit = self._flag("max_n", 128), self._flag("max_batch_items", 512)
+        max_n, limit = self._flag("max_n"), self._flag("max_batch_items")
         total = 0
         for item in items:
             n = item.sampling_params.get("n")
@@ -77,8 +79,8 @@ class RequestBounds:
         raw fields before anything walks them (10,000 stop patterns or 1M logit_bias keys are
         refused in microseconds). Malformed values are left to SamplingParams.verify."""
         for item in items:
-            self._cap(len(item.rid), "max_rid_length", 512, "rid", "characters")
-            cap = self._flag("max_logprobs", 20)
+            self._cap(len(item.rid), "max_rid_length", "rid", "characters")
+            cap = self._flag("max_logprobs")
             top = item.top_logprobs_num
             if isinstance(top, int) and top > cap:
                 raise self._over("top_logprobs_num", top, cap, "max_logprobs", "top logprobs per token")
@@ -88,19 +90,19 @@ class RequestBounds:
             for name in ("stop", "stop_regex"):
                 value = params.get(name)
                 values = [value] if isinstance(value, str) else value if isinstance(value, list) else []
-                self._cap(len(values), "max_stop_sequences", 64, f"sampling_params.{name}", "entries")
+                self._cap(len(values), "max_stop_sequences", f"sampling_params.{name}", "entries")
                 chars = sum(len(v) for v in values if isinstance(v, str))
-                self._cap(chars, "max_stop_chars", 4096, f"sampling_params.{name}", "characters in all")
+                self._cap(chars, "max_stop_chars", f"sampling_params.{name}", "characters in all")
             bias = params.get("logit_bias")
             if isinstance(bias, dict):
-                self._cap(len(bias), "max_logit_bias", 4096, "sampling_params.logit_bias", "entries")
+                self._cap(len(bias), "max_logit_bias", "sampling_params.logit_bias", "entries")
 
     def check_chat_messages(self, messages: Any) -> None:
         if isinstance(messages, list):
-            self._cap(len(messages), "max_chat_messages", 4096, "messages", "messages")
+            self._cap(len(messages), "max_chat_messages", "messages", "messages")
 
-    def _cap(self, count: int, flag: str, default: int, param: str, unit: str) -> None:
-        limit = self._flag(flag, default)
+    def _cap(self, count: int, flag: str, param: str, unit: str) -> None:
+        limit = self._flag(flag)
         if count > limit:
             raise self._over(param, count, limit, flag, unit)
 

@@ -22,6 +22,7 @@ from managers.scheduler_output import accumulate_input_logprobs, build_output, t
 from mem_cache.chunk_cache import ChunkCache
 from mem_cache.radix_cache import RadixCache
 from srt.environ import envs
+from srt.server_args import flag_default
 from srt.utils.host_allocator import trim_host_heap
 
 logger = logging.getLogger(__name__)
@@ -32,7 +33,8 @@ class Scheduler:
                  recv: Optional[Callable[[], List[Any]]] = None, send: Optional[Callable[[Any], None]] = None):
         self.server_args = server_args
         # --request-step-budget-ms: one request's own work in a step (stop matching, grammar).
-        self.step_budget_s = float(getattr(server_args, "request_step_budget_ms", 0) or 0) / 1000.0
+        budget_ms = getattr(server_args, "request_step_budget_ms", None)
+        self.step_budget_s = float(flag_default("request_step_budget_ms") if budget_ms is None else budget_ms) / 1000.0
         self.runner = model_runner
         self.tokenizer = tokenizer
         self.recv = recv or (lambda: [])

@@ -115,7 +115,7 @@ class TokenizerManager:
         self.metrics = TokenizerMetrics()
         self._pending: Dict[type, Deque[asyncio.Future]] = {FlushCacheReqOutput: deque(), GetLoadReqOutput: deque()}
         self._token_text: Dict[int, str] = {}
-        self.prompts = PromptTokenizer(tokenizer, self.context_len, server_flag(server_args, "tokenizer_worker_threshold", 4096))
+        self.prompts = PromptTokenizer(tokenizer, self.context_len, server_flag(server_args, "tokenizer_worker_threshold"))
         self._grammar_backend: Any = None
 
     # ------------------------------------------------------------------ public API

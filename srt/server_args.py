@@ -330,6 +330,14 @@ class ServerArgs:
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
 
+def flag_default(name: str) -> Any:
+    """The default of the `ServerArgs` field `name`: the one place a flag's default is written."""
+    return _FIELD_DEFAULTS[name]
+
+
+_FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ServerArgs)}
+
+
 def make_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog, description="Serve a model over HTTP (native /generate, OpenAI-compatible /v1/*).",

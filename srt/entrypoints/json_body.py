@@ -17,10 +17,10 @@ import numpy as np
 import orjson
 
 from managers.generate_input import RequestError
+from srt.server_args import flag_default
 
 MAX_JSON_DEPTH = 64  # deeper bodies are refused: error messages and validators recurse over values
 SCAN_MIN_BYTES = 1 << 16  # below this, parsing and walking costs well under a millisecond
-DEFAULT_MAX_JSON_ITEMS = 1 << 18  # --max-request-json-items
 
 _QUOTE, _BACKSLASH, _COLON = 34, 92, 58
 _OPENERS, _CLOSERS = (123, 91), (125, 93)  # { [  and  } ]
@@ -95,7 +95,7 @@ async def parse_json_body(raw: bytes, max_items: Optional[int]) -> Any:
         depth, items = await asyncio.get_running_loop().run_in_executor(_SCANNER, structure_of, raw)
         if depth > MAX_JSON_DEPTH:
             raise _too_deep()
-        limit = DEFAULT_MAX_JSON_ITEMS if max_items is None else max_items
+        limit = flag_default("max_request_json_items") if max_items is None else max_items
         if items > limit:
             raise RequestError(
                 f"The request body holds {items} JSON objects, arrays and keys, more than one request may hold "

@@ -16,6 +16,7 @@ from managers.generate_input import RequestError, check_field_rule
 from srt.entrypoints import http_server
 from srt.entrypoints.openai.fields import STREAM_OPTIONS_FIELDS
 from srt.sampling.sampling_params import IMPLEMENTED, DefaultOnly
+from srt.server_args import flag_default
 from srt.utils.bounded_repr import bounded_repr
 
 
@@ -104,7 +105,7 @@ def get_int(body: Mapping[str, Any], name: str, low: int, high: Optional[int] = 
 def max_logprobs(state: Any) -> int:
     """--max-logprobs: the most top logprobs per token a request may ask for."""
     value = getattr(state.server_args, "max_logprobs", None)
-    return 20 if value is None else int(value)
+    return int(flag_default("max_logprobs") if value is None else value)
 
 
 def get_number(body: Mapping[str, Any], name: str, low: float, high: float) -> Optional[float]:
